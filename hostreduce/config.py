@@ -1,0 +1,144 @@
+"""One frozen, validated configuration object for every hostreduce component.
+
+Precedence for each field: an explicit argument, then the ``HOSTREDUCE_<FIELD>``
+environment variable, then the default. Unknown keys and unknown ``HOSTREDUCE_*``
+variables are rejected so that a typo never silently falls back to a default.
+Importing this module never writes to the environment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["Config", "ENV_PREFIX"]
+
+ENV_PREFIX = "HOSTREDUCE_"
+
+# Variables that share the prefix but are not configuration fields (set by the launcher
+# or read by other components).
+_RESERVED_ENV = frozenset({"HOSTREDUCE_TIMELINE"})
+
+_TRANSPORTS = ("auto", "grpc", "shm")
+_REDUCERS = ("ring", "mpi", "horovod", "local")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"`{name}` must be a boolean (1/0, true/false). Received: {name}={raw!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of the reduction engine.
+
+    Attributes:
+        reducer: engine name: ``ring``, ``mpi``, ``horovod`` or ``local``.
+        transport: ring data path between peers on one host: ``auto`` (shared memory
+            when every peer is on this host, gRPC otherwise), ``grpc`` or ``shm``.
+            Peers on other hosts always use gRPC.
+        timeout_s: longest wait for any peer before raising ``PeerLostError`` or
+            ``CollectiveTimeoutError``.
+        connect_timeout_s: longest wait for every peer to come up at start.
+        fusion_threshold_bytes: small tensors are packed into buckets up to this size.
+        chunk_bytes: the ring streams data in chunks of this size so that sending,
+            receiving and reducing overlap.
+        cycle_time_ms: how long the coordinator waits to gather more ready tensors into
+            one fusion bucket once the first is ready (0 = fuse only what is ready).
+        secret: shared secret proving job membership (hex or any string); required by
+            the ring when world size > 1.
+        bind_host: address the ring server listens on; empty means the host part of this
+            rank's address in the cluster spec.
+        log_level: level of the ``hostreduce`` logger.
+    """
+
+    reducer: str = "ring"
+    transport: str = "auto"
+    timeout_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    fusion_threshold_bytes: int = 64 * 1024 * 1024
+    chunk_bytes: int = 1024 * 1024
+    cycle_time_ms: float = 0.0
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    bind_host: str = ""
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.reducer not in _REDUCERS:
+            raise ConfigError(f"`reducer` must be one of {_REDUCERS}. Received: reducer={self.reducer!r}")
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(
+                f"`transport` must be one of {_TRANSPORTS}. Received: transport={self.transport!r}"
+            )
+        for name in ("timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"`{name}` must be a number > 0. Received: {name}={value!r}")
+        if not isinstance(self.cycle_time_ms, (int, float)) or self.cycle_time_ms < 0:
+            raise ConfigError(f"`cycle_time_ms` must be a number >= 0. Received: cycle_time_ms={self.cycle_time_ms!r}")
+        for name, low in (("fusion_threshold_bytes", 0), ("chunk_bytes", 1024)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ConfigError("`secret` must be a non-empty string or None. Received: an empty or non-string value")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ConfigError(f"`log_level` must be one of {_LOG_LEVELS}. Received: log_level={self.log_level!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Build a config: explicit ``overrides`` > ``HOSTREDUCE_*`` variables > defaults.
+
+        ``None`` values in ``overrides`` mean "not given" and fall through to the
+        environment.
+        """
+        env = os.environ if env is None else env
+        names = cls.field_names()
+        unknown = [k for k in overrides if k not in names]
+        if unknown:
+            raise ConfigError(f"Unknown config key(s) {sorted(unknown)}. Valid keys: {list(names)}")
+        values: dict[str, Any] = {}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX) or key in _RESERVED_ENV:
+                continue
+            name = key[len(ENV_PREFIX):].lower()
+            if name not in names:
+                raise ConfigError(
+                    f"Unknown environment variable {key}={raw!r}. Valid variables: "
+                    f"{[ENV_PREFIX + n.upper() for n in names] + sorted(_RESERVED_ENV)}"
+                )
+            values[name] = _coerce(key, types[name], raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        unknown = [k for k in changes if k not in self.field_names()]
+        if unknown:
+            raise ConfigError(f"Unknown config key(s) {sorted(unknown)}. Valid keys: {list(self.field_names())}")
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(key: str, typ: Any, raw: str) -> Any:
+    typ = str(typ)
+    try:
+        if typ.startswith("int"):
+            return int(raw)
+        if typ.startswith("float"):
+            return float(raw)
+        if typ.startswith("bool"):
+            return _parse_bool(key, raw)
+    except ValueError:
+        raise ConfigError(f"Environment variable {key} must be a {typ}. Received: {key}={raw!r}") from None
+    return raw

@@ -1,0 +1,54 @@
+"""The exception hierarchy of hostreduce.
+
+Every error the library raises on purpose derives from :class:`HostReduceError`, so
+callers can catch the whole family at once and still tell the causes apart.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "HostReduceError",
+    "ConfigError",
+    "ClusterError",
+    "TensorMismatchError",
+    "PeerLostError",
+    "AuthenticationError",
+    "CollectiveTimeoutError",
+    "ReducerClosedError",
+    "SpecError",
+]
+
+
+class HostReduceError(RuntimeError):
+    """Base class of every error raised by hostreduce."""
+
+
+class ConfigError(HostReduceError, ValueError):
+    """A configuration value, argument or environment variable is invalid."""
+
+
+class ClusterError(ConfigError):
+    """The cluster description (``TF_CONFIG``, mpirun environment, arguments) is invalid."""
+
+
+class TensorMismatchError(HostReduceError):
+    """Ranks submitted a collective whose name, shape, dtype or op disagree."""
+
+
+class PeerLostError(HostReduceError):
+    """A peer died or became unreachable while a collective was in flight."""
+
+
+class AuthenticationError(HostReduceError):
+    """A peer failed to prove that it belongs to this job (wrong or missing secret)."""
+
+
+class CollectiveTimeoutError(HostReduceError, TimeoutError):
+    """A collective did not complete within the configured timeout."""
+
+
+class ReducerClosedError(HostReduceError):
+    """The reducer was closed; no further collectives can be submitted."""
+
+
+class SpecError(HostReduceError, ValueError):
+    """An ``EstimatorSpec`` or ``host_call`` is malformed."""

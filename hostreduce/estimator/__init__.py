@@ -1,0 +1,22 @@
+"""Estimator-style training on hostreduce: ``model_fn`` returns an ``EstimatorSpec``
+whose ``host_call`` runs the optimizer on the host after gradients are all-reduced."""
+from .estimator import Estimator
+from .mode_keys import ModeKeys
+from .run_config import RunConfig
+from .spec import EstimatorSpec, host_train_spec
+from .training import EvalSpec, TrainSpec, train_and_evaluate
+from ..host.gradients import compute_gradients
+from ..strategies import InputContext
+
+__all__ = [
+    "Estimator",
+    "EstimatorSpec",
+    "EvalSpec",
+    "InputContext",
+    "ModeKeys",
+    "RunConfig",
+    "TrainSpec",
+    "compute_gradients",
+    "host_train_spec",
+    "train_and_evaluate",
+]

@@ -1,0 +1,306 @@
+"""``Estimator``: trains, evaluates and predicts with a TF1-style ``model_fn`` on top
+of a hostreduce strategy."""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..host.variables import VariableStore
+from ..timeline import Timeline, timeline_dir_from_env
+from .checkpoint import CheckpointManager
+from .inputs import call_input_fn, check_model_fn, split_element
+from .mode_keys import ModeKeys
+from .programs import EvalProgram, PredictProgram, TrainProgram
+from .run_config import RunConfig
+
+__all__ = ["Estimator"]
+
+logger = logging.getLogger("hostreduce")
+
+
+def _check_steps(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConfigError(f"`{name}` must be an integer >= 0 or None. Received: {name}={value!r}")
+
+
+class Estimator:
+    """Runs ``model_fn`` for training, evaluation and prediction.
+
+    Args:
+        model_fn: ``model_fn(features, labels, mode, params)`` (``labels``, ``mode``,
+            ``params`` and ``config`` are passed only if named) returning an
+            :class:`EstimatorSpec`. It builds its Keras layers and optimizer itself;
+            it runs while its mode's step function is traced.
+        model_dir: checkpoint directory (overrides ``config.model_dir``).
+        config: a :class:`RunConfig`.
+        params: passed to ``model_fn`` and ``input_fn`` as ``params``.
+    """
+
+    def __init__(self, model_fn: Callable[..., Any], model_dir: str | None = None,
+                 config: RunConfig | None = None, params: dict[str, Any] | None = None) -> None:
+        check_model_fn(model_fn)
+        if config is None:
+            config = RunConfig()
+        if not isinstance(config, RunConfig):
+            raise ConfigError(f"`config` must be a RunConfig. Received: config={config!r}")
+        if model_dir is not None:
+            config = config.replace(model_dir=str(model_dir))
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"`params` must be a dict or None. Received: params={params!r}")
+        self.model_fn = model_fn
+        self.config = config
+        self.params = copy.deepcopy(params) if params is not None else {}
+        self._strategy = config.train_distribute
+        if self._strategy is None:
+            from ..strategies import SingleProcessStrategy
+
+            self._strategy = SingleProcessStrategy()
+        self._store = VariableStore(on_host=self._strategy.variables_on_host)
+        self._timeline = Timeline(config.timeline_dir or timeline_dir_from_env(), rank=self._strategy.rank)
+        self._checkpoints = CheckpointManager(config.model_dir, config.keep_checkpoint_max) if config.model_dir else None
+        self._programs: dict[str, Any] = {}
+        self._excluded_keys: set[str] = set()
+        self._global_step = 0
+        self._step_synced = False
+
+    # -- properties ------------------------------------------------------------
+    @property
+    def model_dir(self) -> str | None:
+        return self.config.model_dir
+
+    @property
+    def strategy(self) -> Any:
+        return self._strategy
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    def get_variable_names(self) -> list[str]:
+        return [k for k, _ in self._store.items() if k not in self._excluded_keys]
+
+    def get_variable_value(self, name: str) -> np.ndarray:
+        for key, var in self._store.items():
+            if key == name:
+                return var.numpy()
+        raise ConfigError(f"`name` must be one of get_variable_names(). Received: name={name!r}")
+
+    def get_variables(self) -> dict[str, np.ndarray]:
+        """Every model and optimizer variable (not evaluation metrics) by name."""
+        return {k: v.numpy() for k, v in self._store.items() if k not in self._excluded_keys}
+
+    def latest_checkpoint(self) -> str | None:
+        latest = self._checkpoints.latest() if self._checkpoints else None
+        return latest[1] if latest else None
+
+    # -- building --------------------------------------------------------------
+    def _program(self, mode: str, element_spec: Any) -> Any:
+        from .programs import relaxed_signature
+
+        signature = repr(relaxed_signature(element_spec))
+        cached = self._programs.get(mode)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        args = (self.model_fn, self.params, self.config, self._store, element_spec, self._timeline)
+        if mode == ModeKeys.TRAIN:
+            program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply)
+        elif mode == ModeKeys.EVAL:
+            program = EvalProgram(*args)
+            for metric in program.keras_metrics().values():
+                self._excluded_keys.update(filter(None, (self._store.key_of(v) for v in metric.variables)))
+        else:
+            program = PredictProgram(*args)
+        self._programs[mode] = (signature, program)
+        self._sync_variables()
+        return program
+
+    def _sync_variables(self) -> None:
+        """Give variables created since the last sync their starting values: the
+        latest checkpoint's where it has them, then the chief's everywhere."""
+        strategy = self._strategy
+        new = [(k, v) for k, v in self._store.unsynced() if k not in self._excluded_keys]
+        if strategy.is_chief and self._checkpoints is not None:
+            latest = self._checkpoints.latest()
+            if latest is not None:
+                step, arrays, _ = self._checkpoints.load(latest[1])
+                restored = 0
+                for key, var in new:
+                    if key in arrays:
+                        var.assign(arrays[key])
+                        restored += 1
+                if not self._step_synced:
+                    self._global_step = step
+                if restored:
+                    logger.info("Restored %d variables from %s (step %d)", restored, latest[1], step)
+        if strategy.size > 1:
+            reducer = strategy.reducer
+            if not self._step_synced:
+                step = reducer.broadcast("hostreduce.sync.step", np.array([self._global_step], np.int64), root=0)
+                self._global_step = int(step[0])
+            handles = [reducer.broadcast_async(f"hostreduce.sync.{i}", var.numpy(), root=0)
+                       for i, (_, var) in enumerate(sorted(new, key=lambda kv: kv[0]))]
+            for handle, (_, var) in zip(handles, sorted(new, key=lambda kv: kv[0])):
+                var.assign(handle.wait())
+        self._step_synced = True
+        self._store.mark_synced(k for k, _ in self._store.unsynced())
+
+    def _dataset(self, input_fn: Callable[..., Any], mode: str) -> Any:
+        return call_input_fn(input_fn, mode, self._strategy.input_context())
+
+    # -- checkpoints -----------------------------------------------------------
+    def _save(self) -> None:
+        if self._checkpoints is None or not self._strategy.is_chief:
+            return
+        arrays = self.get_variables()
+        path = self._checkpoints.save(self._global_step, arrays, {"world_size": self._strategy.size})
+        logger.info("Saved checkpoint for step %d to %s", self._global_step, path)
+
+    # -- train -----------------------------------------------------------------
+    def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,
+              hooks: list[Callable[[int, float], None]] | None = None) -> "Estimator":
+        """Train on ``input_fn``'s data.
+
+        Args:
+            input_fn: ``input_fn(mode, input_context)`` (both optional) returning a
+                ``tf.data.Dataset`` of ``(features, labels)``; shard it with
+                ``input_context`` for multi-worker training.
+            steps: train this many more steps (or until the data ends).
+            max_steps: train until the global step reaches this value.
+            hooks: callables ``hook(global_step, loss)`` run after every step.
+        """
+        _check_steps("steps", steps)
+        _check_steps("max_steps", max_steps)
+        if steps is not None and max_steps is not None:
+            raise ConfigError(f"Give `steps` or `max_steps`, not both. Received: steps={steps}, max_steps={max_steps}")
+        self._strategy.reducer  # connect before the first step, not inside it
+        dataset = self._dataset(input_fn, ModeKeys.TRAIN)
+        program = self._program(ModeKeys.TRAIN, dataset.element_spec)
+        start = self._global_step
+        target = max_steps if max_steps is not None else (start + steps if steps is not None else None)
+        if target is not None and start >= target:
+            return self
+        strategy, config = self._strategy, self.config
+        must_agree = target is None and strategy.size > 1
+        log_every = config.log_step_count_steps
+        save_every = config.save_checkpoints_steps
+        timeout = config.collective_timeout_s
+        window_start, window_examples = time.perf_counter(), 0
+        iterator = iter(dataset)
+        loss = float("nan")
+        while target is None or self._global_step < target:
+            try:
+                features, labels = split_element(next(iterator), ModeKeys.TRAIN)
+                has_data = 1
+            except StopIteration:
+                has_data = 0
+            if must_agree:
+                has_data = int(strategy.reducer.allreduce("hostreduce.more", np.array([has_data], np.int32), op="min")[0])
+            if not has_data:
+                break
+            loss = program.run(features, labels, timeout)
+            self._global_step += 1
+            step = self._global_step
+            window_examples += _batch_size(features) * strategy.size
+            for hook in hooks or ():
+                hook(step, loss)
+            if log_every and step % log_every == 0:
+                mean_loss = self._mean_across_workers("hostreduce.loss", loss)
+                elapsed = time.perf_counter() - window_start
+                if strategy.is_chief:
+                    logger.info("step %d: loss = %.5f (%.1f examples/s)", step, mean_loss,
+                                window_examples / max(elapsed, 1e-9))
+                window_start, window_examples = time.perf_counter(), 0
+            if save_every and step % save_every == 0:
+                self._save()
+                self._timeline.flush()
+        self._save()
+        self._timeline.flush()
+        return self
+
+    def _mean_across_workers(self, name: str, value: float) -> float:
+        if self._strategy.size == 1:
+            return value
+        out = self._strategy.reducer.allreduce(name, np.array([value], np.float64), op="mean")
+        return float(out[0])
+
+    # -- evaluate --------------------------------------------------------------
+    def evaluate(self, input_fn: Callable[..., Any], steps: int | None = None) -> dict[str, float]:
+        """Evaluate on ``input_fn``'s data (``steps`` batches, or until it ends).
+
+        Returns a dict with ``loss`` (mean over batches), every entry of
+        ``eval_metric_ops`` and ``global_step``. With several workers, every worker
+        evaluates its shard and the results are combined: Keras metrics by summing
+        their state (exact for means, accuracies and counts), tensors by averaging
+        over all batches of all workers.
+        """
+        _check_steps("steps", steps)
+        strategy = self.config.eval_distribute or self._strategy
+        dataset = self._dataset(input_fn, ModeKeys.EVAL)
+        program = self._program(ModeKeys.EVAL, dataset.element_spec)
+        keras_metrics = program.keras_metrics()
+        for metric in keras_metrics.values():
+            metric.reset_state()
+        names = ["loss"] + [f"metric/{n}" for n in program.tensor_metric_names()]
+        sums = np.zeros(len(names) + 1, np.float64)
+        for i, element in enumerate(dataset):
+            if steps is not None and i >= steps:
+                break
+            features, labels = split_element(element, ModeKeys.EVAL)
+            outputs = program.call(features, labels)
+            sums[:-1] += [float(outputs[n]) for n in names]
+            sums[-1] += 1
+        if strategy.size > 1:
+            sums = strategy.reducer.allreduce("hostreduce.eval.sums", sums, op="sum")
+            for i, name in enumerate(sorted(keras_metrics)):
+                for j, var in enumerate(keras_metrics[name].variables):
+                    value = var.numpy()
+                    if np.issubdtype(value.dtype, np.number):
+                        var.assign(strategy.reducer.allreduce(f"hostreduce.eval.m{i}.{j}", value, op="sum"))
+        count = max(sums[-1], 1.0)
+        results = {n.split("/", 1)[-1]: float(sums[k] / count) for k, n in enumerate(names)}
+        for name, metric in keras_metrics.items():
+            results[name] = float(np.asarray(metric.result()))
+        results["global_step"] = self._global_step
+        return results
+
+    # -- predict ---------------------------------------------------------------
+    def predict(self, input_fn: Callable[..., Any], predict_keys: list[str] | None = None,
+                yield_single_examples: bool = True) -> Iterator[Any]:
+        """Yield predictions for ``input_fn``'s data (this worker's shard), one example at
+        a time (or one batch at a time with ``yield_single_examples=False``)."""
+        dataset = self._dataset(input_fn, ModeKeys.PREDICT)
+        program = self._program(ModeKeys.PREDICT, dataset.element_spec)
+        for element in dataset:
+            features, labels = split_element(element, ModeKeys.PREDICT)
+            out = program.call(features, labels)
+            if isinstance(out, dict):
+                out = {k: np.asarray(v) for k, v in out.items() if predict_keys is None or k in predict_keys}
+                if not yield_single_examples:
+                    yield out
+                    continue
+                n = len(next(iter(out.values())))
+                for i in range(n):
+                    yield {k: v[i] for k, v in out.items()}
+            else:
+                out = np.asarray(out)
+                if yield_single_examples:
+                    yield from out
+                else:
+                    yield out
+
+    def close(self) -> None:
+        """Flush the timeline and release the strategy's reducer."""
+        self._timeline.flush()
+        self._strategy.close()
+
+
+def _batch_size(features: Any) -> int:
+    import tensorflow as tf
+
+    first = tf.nest.flatten(features)[0]
+    return int(first.shape[0]) if first.shape.rank else 1

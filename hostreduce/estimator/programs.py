@@ -1,0 +1,251 @@
+"""The compiled programs of one Estimator: ``model_fn`` traced into a ``tf.function``
+per mode, plus the host step that runs ``host_call``.
+
+``model_fn`` runs only while ``tf.function`` traces (once per mode for a fixed input
+signature; the batch dimension is left free). Variables are shared between modes and
+traces through the :class:`~hostreduce.host.variables.VariableStore`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import SpecError
+from ..host.apply import fused_optimizer_scope
+from ..host.gradients import gradient_labels, recording
+from ..host.variables import VariableStore
+from ..streaming.handoff import HostCallExchange
+from ..timeline import Timeline, now_us
+from .inputs import call_model_fn
+from .mode_keys import ModeKeys
+from .spec import EstimatorSpec, check_host_call
+
+__all__ = ["TrainProgram", "EvalProgram", "PredictProgram", "relaxed_signature"]
+
+
+def relaxed_signature(element_spec: Any) -> tuple[Any, Any]:
+    """(features_spec, labels_spec) with the batch dimension left unknown."""
+    import tensorflow as tf
+
+    def relax(spec: Any) -> Any:
+        if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+            return tf.TensorSpec([None] + spec.shape.as_list()[1:], spec.dtype, spec.name)
+        return spec
+
+    if isinstance(element_spec, tuple) and len(element_spec) == 2:
+        features, labels = element_spec
+    else:
+        features, labels = element_spec, None
+    return tf.nest.map_structure(relax, features), (
+        None if labels is None else tf.nest.map_structure(relax, labels))
+
+
+def _as_spec(value: Any, mode: str) -> EstimatorSpec:
+    if isinstance(value, EstimatorSpec):
+        spec = value
+    elif hasattr(value, "_fields") and hasattr(value, "mode"):  # a look-alike namedtuple
+        spec = EstimatorSpec(**{f: getattr(value, f) for f in EstimatorSpec._fields if hasattr(value, f)})
+    else:
+        raise SpecError(f"`model_fn` must return an EstimatorSpec. Received: {type(value).__name__}")
+    if spec.mode != mode:
+        raise SpecError(f"`model_fn` was called in mode {mode!r} but returned an EstimatorSpec with mode={spec.mode!r}")
+    return spec.validate()
+
+
+class _Marker:
+    """In-graph timestamps: a stateless op that records when its inputs became ready."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def attach(self, name: str, tensors: list[Any]) -> Any:
+        import tensorflow as tf
+
+        def mark(*_: Any) -> np.ndarray:
+            self.times[name] = now_us()
+            return np.int32(0)
+
+        return tf.numpy_function(mark, tensors, tf.int32, stateful=False, name=f"hostreduce_mark_{name}")
+
+
+class _ProgramBase:
+    mode: str = ""
+
+    def __init__(self, model_fn: Callable[..., Any], params: Any, config: Any, store: VariableStore,
+                 element_spec: Any, timeline: Timeline) -> None:
+        self.model_fn, self.params, self.config, self.store = model_fn, params, config, store
+        self.timeline = timeline
+        self.signature = relaxed_signature(element_spec)
+        self.has_labels = self.signature[1] is not None
+        self.spec: EstimatorSpec | None = None
+
+    def _call_model_fn(self, features: Any, labels: Any) -> EstimatorSpec:
+        value = call_model_fn(self.model_fn, features, labels, self.mode, self.params, self.config)
+        spec = _as_spec(value, self.mode)
+        self.spec = spec
+        return spec
+
+    def _trace(self, fn: Callable[..., Any]) -> Any:
+        import tensorflow as tf
+
+        if self.has_labels:
+            function = tf.function(fn, input_signature=list(self.signature), autograph=False)
+        else:
+            function = tf.function(lambda features: fn(features, None), input_signature=[self.signature[0]],
+                                   autograph=False)
+        function.get_concrete_function()  # traces model_fn, creates and initializes variables
+        return function
+
+    def call(self, features: Any, labels: Any) -> Any:
+        return self.function(features, labels) if self.has_labels else self.function(features)
+
+
+class TrainProgram(_ProgramBase):
+    """Forward and backward on the device with streaming hand-off; then the host step.
+
+    Args:
+        strategy: supplies the reducer and the submission-order requirement.
+        fused_apply: route Keras SGD/Adam updates inside ``host_call`` to fused kernels.
+    """
+
+    mode = ModeKeys.TRAIN
+
+    def __init__(self, *args: Any, strategy: Any, fused_apply: bool = True) -> None:
+        super().__init__(*args)
+        self.strategy = strategy
+        self.fused_apply = fused_apply
+        self.exchange: HostCallExchange | None = None
+        self.host_function: Any = None
+        self._host_fn: Callable[..., Any] | None = None
+        self._marker = _Marker()
+        self.function = self._trace(self._step)
+        if self.exchange is not None:
+            self.host_function = self._trace_host()
+
+    def _step(self, features: Any, labels: Any) -> dict[str, Any]:
+        import tensorflow as tf
+
+        outputs: dict[str, Any] = {}
+        timed = self.timeline.enabled
+        if timed:
+            outputs["mark_start"] = self._marker.attach("start", tf.nest.flatten(features)[:1])
+        with self.store.scope(), tf.GradientTape() as tape, recording(tape):
+            spec = self._call_model_fn(features, labels)
+            labels_by_id = gradient_labels()
+        outputs["loss"] = tf.convert_to_tensor(spec.loss)
+        if spec.train_op is not None:
+            outputs["train_op"] = spec.train_op
+        if timed:
+            outputs["mark_forward"] = self._marker.attach("forward", [outputs["loss"]])
+        if spec.host_call is None:
+            if self.strategy.size > 1:
+                raise SpecError(
+                    "EstimatorSpec in mode 'train' needs `host_call` when training with several workers, "
+                    "so the gradients can be averaged across them. Received: host_call=None"
+                )
+            return outputs
+        fn, tensors = check_host_call(spec.host_call)
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        self._host_fn = fn
+        if self.exchange is None:
+            self.exchange = HostCallExchange(
+                "hostreduce.grad", [(tuple(t.shape.as_list()), t.dtype.as_numpy_dtype) for t in tensors],
+                lambda: self.strategy.reducer, ordered=self.strategy.ordered_submission, timeline=self.timeline,
+                labels=[labels_by_id.get(id(t), f"tensor{i}") for i, t in enumerate(tensors)],
+            )
+        elif len(self.exchange) != len(tensors):
+            raise SpecError(f"`host_call` changed from {len(self.exchange)} to {len(tensors)} tensors between traces")
+        for t in tensors:
+            if not t.shape.is_fully_defined():
+                raise SpecError(f"`host_call` tensors must have a fully defined shape. Received: shape {t.shape}")
+        outputs["handoff"] = self.exchange.attach(tensors)
+        if timed:
+            outputs["mark_backward"] = self._marker.attach("backward", tensors)
+        return outputs
+
+    def _trace_host(self) -> Any:
+        import tensorflow as tf
+
+        assert self.exchange is not None
+        specs = [tf.TensorSpec(b.shape, tf.as_dtype(b.dtype)) for b in self.exchange.buffers]
+        device = tf.device("/CPU:0") if self.strategy.variables_on_host else contextlib.nullcontext()
+
+        def host_step(*tensors: Any) -> Any:
+            with device, self.store.scope(), fused_optimizer_scope(self.fused_apply):
+                self._host_fn(*tensors)  # type: ignore[misc]
+            return tf.constant(0)
+
+        function = tf.function(host_step, input_signature=specs, autograph=False)
+        function.get_concrete_function()
+        return function
+
+    def run(self, features: Any, labels: Any, timeout: float | None = None) -> float:
+        """One training step; returns this worker's loss."""
+        timeline = self.timeline
+        start = now_us()
+        outputs = self.call(features, labels)
+        end_device = now_us()
+        if timeline.enabled:
+            times = self._marker.times
+            t0 = times.get("start", start)
+            timeline.span("forward", t0, times.get("forward", end_device), "compute")
+            timeline.span("backward", times.get("forward", end_device), times.get("backward", end_device), "compute")
+        if self.exchange is not None:
+            with timeline.scope("wait for reductions", "reduce"):
+                buffers = self.exchange.wait(timeout)
+            with timeline.scope("host apply", "apply"):
+                self.host_function(*buffers)
+        return float(outputs["loss"])
+
+
+class EvalProgram(_ProgramBase):
+    """Loss and metrics of one batch; Keras metric objects accumulate in their state."""
+
+    mode = ModeKeys.EVAL
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.function = self._trace(self._step)
+
+    def _step(self, features: Any, labels: Any) -> dict[str, Any]:
+        import tensorflow as tf
+
+        with self.store.scope():
+            spec = self._call_model_fn(features, labels)
+        outputs = {"loss": tf.convert_to_tensor(spec.loss)}
+        for name, metric in (spec.eval_metric_ops or {}).items():
+            if _is_keras_metric(metric):
+                continue
+            if isinstance(metric, (tuple, list)):  # TF1 (value, update_op)
+                outputs[f"metric/{name}"] = metric[0]
+                outputs[f"update/{name}"] = metric[1]
+            else:
+                outputs[f"metric/{name}"] = tf.convert_to_tensor(metric)
+        return outputs
+
+    def keras_metrics(self) -> dict[str, Any]:
+        ops = (self.spec.eval_metric_ops or {}) if self.spec is not None else {}
+        return {k: m for k, m in ops.items() if _is_keras_metric(m)}
+
+    def tensor_metric_names(self) -> list[str]:
+        ops = (self.spec.eval_metric_ops or {}) if self.spec is not None else {}
+        return [k for k, m in ops.items() if not _is_keras_metric(m)]
+
+
+class PredictProgram(_ProgramBase):
+    mode = ModeKeys.PREDICT
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.function = self._trace(self._step)
+
+    def _step(self, features: Any, labels: Any) -> Any:
+        with self.store.scope():
+            spec = self._call_model_fn(features, labels)
+        return spec.predictions
+
+
+def _is_keras_metric(value: Any) -> bool:
+    return hasattr(value, "update_state") and hasattr(value, "result") and hasattr(value, "reset_state")

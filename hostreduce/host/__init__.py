@@ -1,0 +1,7 @@
+"""Host-resident training state: where variables live, how gradients are taken on the
+device, and how the optimizer update runs on the host."""
+from .apply import apply_gradients, fused_apply_supported
+from .gradients import compute_gradients
+from .variables import VariableStore
+
+__all__ = ["apply_gradients", "compute_gradients", "fused_apply_supported", "VariableStore"]

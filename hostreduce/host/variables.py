@@ -1,0 +1,111 @@
+"""One set of variables shared by every trace of ``model_fn``, placed on the host.
+
+``model_fn`` builds its Keras layers and optimizer each time it is called (once per
+mode, and again whenever ``tf.function`` retraces). Inside :meth:`VariableStore.scope`
+every variable creation is answered with the variable created by the first call that
+asked for the same thing, so all modes and traces train one model. A request is
+identified by its name scope with Keras/TensorFlow uniquifying suffixes removed
+(``dense_3`` -> ``dense``), its shape and dtype, and how many identical requests came
+before it in the same call.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Iterator
+
+from ..errors import SpecError
+
+__all__ = ["VariableStore"]
+
+# Uniquifying counters: ``dense_3`` -> ``dense``, ``sequential_1_dense_2_kernel`` ->
+# ``sequential_dense_kernel`` (Keras names optimizer slots after the variable's path).
+_SUFFIX = re.compile(r"(_\d+)+(?=/|_|$)")
+
+
+def _canonical(name: str) -> str:
+    name = name.split(":")[0]
+    return _SUFFIX.sub("", name)
+
+
+class VariableStore:
+    """Variables keyed by canonical name, shared across calls of ``model_fn``.
+
+    Args:
+        on_host: create new variables on ``/CPU:0`` (the ops that read them still run
+            on the default device).
+    """
+
+    def __init__(self, on_host: bool = True) -> None:
+        self.on_host = on_host
+        self._vars: dict[str, Any] = {}
+        self._order: list[str] = []
+        self._counts: dict[str, int] = {}
+        self._synced: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(key, tf.Variable) pairs in creation order."""
+        return [(k, self._vars[k]) for k in self._order]
+
+    def key_of(self, variable: Any) -> str | None:
+        target = getattr(variable, "_value", variable)
+        for key in self._order:
+            if self._vars[key] is target:
+                return key
+        return None
+
+    def unsynced(self) -> list[tuple[str, Any]]:
+        """Variables created since the last :meth:`mark_synced` (creation order)."""
+        return [(k, self._vars[k]) for k in self._order if k not in self._synced]
+
+    def mark_synced(self, keys: Any) -> None:
+        self._synced.update(keys)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["VariableStore"]:
+        """Route every ``tf.Variable`` creation in this block through the store."""
+        import tensorflow as tf
+
+        self._counts = {}
+        with tf.variable_creator_scope(self._creator):
+            yield self
+
+    def _creator(self, next_creator: Any, **kwargs: Any) -> Any:
+        import tensorflow as tf
+
+        scope = tf.get_current_name_scope()
+        name = kwargs.get("name") or "Variable"
+        base = _canonical(f"{scope}/{name}" if scope else str(name))
+        index = self._counts.get(base, 0)
+        self._counts[base] = index + 1
+        key = base if index == 0 else f"{base}#{index}"
+        existing = self._vars.get(key)
+        if existing is not None:
+            shape = _requested_shape(kwargs)
+            if shape is not None and not shape.is_compatible_with(existing.shape):
+                raise SpecError(
+                    f"`model_fn` must create the same variables in every call. Variable {key!r} was created "
+                    f"with shape {existing.shape} and is now requested with shape {shape}"
+                )
+            return existing
+        if self.on_host:
+            with tf.device("/CPU:0"):
+                variable = next_creator(**kwargs)
+        else:
+            variable = next_creator(**kwargs)
+        self._vars[key] = variable
+        self._order.append(key)
+        return variable
+
+
+def _requested_shape(kwargs: dict[str, Any]) -> Any:
+    import tensorflow as tf
+
+    shape = kwargs.get("shape")
+    if shape is None:
+        value = kwargs.get("initial_value")
+        shape = getattr(value, "shape", None) if not callable(value) else None
+    return None if shape is None else tf.TensorShape(shape)

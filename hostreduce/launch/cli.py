@@ -1,0 +1,107 @@
+"""The ``hostreduce`` command line: ``hostreduce run -np N [--] COMMAND ...``."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Callable, Sequence
+
+from .runner import GRACE_PERIOD_S, run_workers
+
+__all__ = ["main", "build_parser"]
+
+_USAGE_EXIT_CODE = 2
+
+
+def _num_workers(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1. Received: -np {raw!r}")
+    return value
+
+
+def _positive_seconds(option: str) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not value > 0 or math.isinf(value):
+            raise argparse.ArgumentTypeError(f"must be a number of seconds > 0. Received: {option} {raw!r}")
+        return value
+
+    return parse
+
+
+def _grace_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0. Received: --grace-period {raw!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hostreduce",
+        description="Host-offloaded gradient reduction for TensorFlow data-parallel training.",
+    )
+    commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+    commands.required = True
+    run = commands.add_parser(
+        "run",
+        help="start N local workers of one job",
+        description=(
+            "Start N local workers running COMMAND. Each gets TF_CONFIG for a cluster of "
+            "loopback addresses and a shared HOSTREDUCE_SECRET (a fresh random one unless "
+            "HOSTREDUCE_SECRET is already set). Output lines are prefixed with '[rank] '. "
+            "When a worker fails, all others are stopped and its exit code is returned."
+        ),
+        usage="hostreduce run -np N [options] [--] COMMAND [ARGS ...]",
+    )
+    run.add_argument("-np", "--num-workers", dest="num_workers", type=_num_workers, required=True,
+                     metavar="N", help="number of workers to start (>= 1)")
+    run.add_argument("--host", default="127.0.0.1",
+                     help="address used for the workers' cluster addresses (default: %(default)s)")
+    run.add_argument("--timeout", type=_positive_seconds("--timeout"), default=None, metavar="SECONDS",
+                     help="stop every worker and exit with 124 after this many seconds")
+    run.add_argument("--grace-period", type=_grace_seconds, default=GRACE_PERIOD_S, metavar="SECONDS",
+                     help="seconds between SIGTERM and SIGKILL when stopping workers (default: %(default)s)")
+    run.add_argument("--no-prefix", dest="prefix", action="store_false",
+                     help="do not prefix output lines with '[rank] '")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                     help="program and arguments each worker runs")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hostreduce`` program; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        sys.stderr.write("hostreduce run: error: COMMAND is required. Received: no command after the options\n")
+        return _USAGE_EXIT_CODE
+    try:
+        return run_workers(
+            command,
+            args.num_workers,
+            timeout=args.timeout,
+            prefix=args.prefix,
+            host=args.host,
+            grace_period=args.grace_period,
+        )
+    except ValueError as exc:
+        sys.stderr.write(f"hostreduce run: error: {exc}\n")
+        return _USAGE_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The one interface every reduction engine implements, and the registry of engines.
+
+A reducer all-reduces, broadcasts and all-gathers named numpy arrays that live in host
+memory. Collectives are asynchronous: ``allreduce_async`` returns a :class:`Handle`
+whose ``wait()`` gives the result. All ranks must submit the same names with the same
+shape, dtype and op; engines that can detect a disagreement raise
+``TensorMismatchError`` on every rank.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+from typing import Any, Callable, ClassVar, TypeVar
+
+import numpy as np
+
+from ..errors import ConfigError, CollectiveTimeoutError, ReducerClosedError
+
+__all__ = [
+    "ReduceOp",
+    "Handle",
+    "Reducer",
+    "register_reducer",
+    "create_reducer",
+    "available_reducers",
+    "SUPPORTED_DTYPES",
+    "check_array",
+]
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    MEAN = "mean"
+    MIN = "min"
+    MAX = "max"
+
+    @classmethod
+    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+        if isinstance(op, ReduceOp):
+            return op
+        try:
+            return cls(str(op).lower())
+        except ValueError:
+            raise ConfigError(
+                f"`op` must be one of {[o.value for o in cls]}. Received: op={op!r}"
+            ) from None
+
+
+def _supported_dtypes() -> tuple[np.dtype, ...]:
+    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")]
+    try:  # bfloat16 comes from ml_dtypes (a TensorFlow dependency), when present.
+        import ml_dtypes
+
+        dtypes.append(np.dtype(ml_dtypes.bfloat16))
+    except ImportError:  # pragma: no cover - ml_dtypes ships with TensorFlow
+        pass
+    return tuple(dtypes)
+
+
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = _supported_dtypes()
+
+
+def check_array(name: Any, array: Any) -> np.ndarray:
+    """Validate a collective's arguments; return the array as a numpy array."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"`name` must be a non-empty string. Received: name={name!r}")
+    arr = np.asarray(array)
+    if arr.dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(
+            f"Tensor {name!r}: dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}. "
+            f"Received: dtype={arr.dtype}"
+        )
+    return arr
+
+
+class Handle:
+    """A collective in flight. ``wait()`` returns its result or raises its error."""
+
+    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_lock")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._event.wait(timeout):
+            raise CollectiveTimeoutError(
+                f"Collective {self.name!r} did not complete within timeout={timeout} s"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # Engines complete handles through these two methods.
+    def set_result(self, result: Any) -> None:
+        self._finish(result, None)
+
+    def set_error(self, error: BaseException) -> None:
+        self._finish(None, error)
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = result, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class Reducer(abc.ABC):
+    """Collectives over host-resident numpy arrays.
+
+    Subclasses implement the ``*_async`` methods, ``barrier`` and ``close``. ``rank``
+    and ``size`` describe the job; results are identical on every rank.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def allreduce_async(
+        self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, out: np.ndarray | None = None
+    ) -> Handle:
+        """Start an all-reduce of ``array``; the handle's result has its shape and dtype.
+
+        ``out`` (optional) receives the result and may be ``array`` itself (in place).
+        Integer ``mean`` rounds toward negative infinity.
+        """
+
+    @abc.abstractmethod
+    def broadcast_async(self, name: str, array: np.ndarray, root: int = 0) -> Handle:
+        """Start a broadcast of ``root``'s ``array`` (same shape and dtype everywhere)."""
+
+    @abc.abstractmethod
+    def allgather_async(self, name: str, array: np.ndarray) -> Handle:
+        """Start an all-gather: every rank's array concatenated along axis 0 in rank
+        order. Arrays must agree in dtype and in every dimension but the first."""
+
+    @abc.abstractmethod
+    def barrier(self, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+    # Blocking conveniences.
+    def allreduce(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        return self.allreduce_async(name, array, op, out).wait()
+
+    def broadcast(self, name: str, array: np.ndarray, root: int = 0) -> np.ndarray:
+        return self.broadcast_async(name, array, root).wait()
+
+    def allgather(self, name: str, array: np.ndarray) -> np.ndarray:
+        return self.allgather_async(name, array).wait()
+
+    def close(self) -> None:
+        """Release sockets, threads and buffers. Safe to call more than once."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ReducerClosedError(f"The {self.name!r} reducer is closed")
+
+    def _check_root(self, root: Any) -> int:
+        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
+            raise ConfigError(f"`root` must be an integer in [0, {self.size}). Received: root={root!r}")
+        return root
+
+    def __enter__(self) -> "Reducer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_R = TypeVar("_R", bound=type)
+_REGISTRY: dict[str, Callable[..., Reducer]] = {}
+
+
+def register_reducer(name: str) -> Callable[[_R], _R]:
+    """Class decorator: make a reducer available to :func:`create_reducer` by ``name``."""
+
+    def deco(cls: _R) -> _R:
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+# Built-in engines, imported on first use so that a job pays only for the engine it runs.
+_BUILTIN = {"local": ".local", "ring": ".ring.reducer", "mpi": ".mpi", "horovod": ".horovod"}
+
+
+def available_reducers() -> tuple[str, ...]:
+    return tuple(sorted(set(_REGISTRY) | set(_BUILTIN)))
+
+
+def create_reducer(name: str | None = None, cluster: Any = None, config: Any = None, **kwargs: Any) -> Reducer:
+    """Create a reducer by registry name (default: ``config.reducer``).
+
+    ``cluster`` is a ``ClusterSpec`` (resolved from the environment when None) and
+    ``config`` a ``Config`` (from ``HOSTREDUCE_*`` variables when None).
+    """
+    from ..config import Config
+
+    config = Config.from_env() if config is None else config
+    name = config.reducer if name is None else name
+    if name not in _REGISTRY and name in _BUILTIN:
+        import importlib
+
+        importlib.import_module(_BUILTIN[name], __package__)  # registers the class
+    if name not in _REGISTRY:
+        raise ConfigError(f"`reducer` must be one of {list(available_reducers())}. Received: reducer={name!r}")
+    return _REGISTRY[name](cluster=cluster, config=config, **kwargs)

@@ -1,0 +1,129 @@
+"""Ring collectives over an abstract link to the ring neighbours.
+
+Pure algorithm: it only needs ``link.send(tag, array)`` (to the next rank, may return
+before the data is delivered but must not read ``array`` after returning) and
+``link.recv(tag)`` (bytes-like payload from the previous rank, in order). That keeps
+it testable over an in-memory link, and the gRPC link a separate module.
+
+All-reduce is reduce-scatter then all-gather (2(N-1)/N of the data leaves each rank,
+the bandwidth-optimal amount). Each segment moves in chunks and a chunk is forwarded
+as soon as it is reduced, so sending, receiving and adding overlap. The rank that
+finishes a segment's reduction is the only one that computes it; every other rank
+copies its bytes, so all ranks end with bitwise identical results.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..base import ReduceOp
+
+__all__ = ["Link", "segment_bounds", "reduce_into", "finalize", "ring_allreduce", "ring_allgather", "ring_broadcast"]
+
+
+class Link(Protocol):
+    def send(self, tag: int, data: np.ndarray) -> None: ...
+
+    def recv(self, tag: int) -> bytes | memoryview: ...
+
+
+def segment_bounds(n: int, parts: int) -> list[int]:
+    """Split ``n`` elements into ``parts`` near-equal contiguous segments."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
+    """dst = dst (op) src, elementwise, in place."""
+    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
+        np.add(dst, src, out=dst)
+    elif op is ReduceOp.MIN:
+        np.minimum(dst, src, out=dst)
+    else:
+        np.maximum(dst, src, out=dst)
+
+
+def finalize(buf: np.ndarray, op: ReduceOp, size: int) -> None:
+    """Turn a sum into a mean (floor division for integers)."""
+    if op is ReduceOp.MEAN and size > 1 and buf.size:
+        if buf.dtype.kind in "iu":
+            np.floor_divide(buf, size, out=buf)
+        else:
+            np.divide(buf, buf.dtype.type(size), out=buf)
+
+
+def _chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, hi)) for s in range(lo, hi, chunk)]
+
+
+def _incoming(payload: bytes | memoryview, dtype: np.dtype, n: int) -> np.ndarray:
+    arr = np.frombuffer(payload, dtype=dtype)
+    if arr.size != n:
+        raise RuntimeError(f"ring protocol error: expected {n} elements from the previous rank, got {arr.size}")
+    return arr
+
+
+def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: ReduceOp,
+                   chunk_elems: int, tag: int = 0) -> None:
+    """All-reduce the flat array ``buf`` in place."""
+    if size > 1 and buf.size:
+        bounds = segment_bounds(buf.size, size)
+        seg = lambda s: _chunks(bounds[s], bounds[s + 1], chunk_elems)  # noqa: E731
+        for lo, hi in seg(rank):
+            link.send(tag, buf[lo:hi])
+        # Reduce-scatter: at step k receive segment (rank-k-1), add, forward. The last
+        # step completes segment (rank+1), which is forwarded as the all-gather's start.
+        for step in range(size - 1):
+            last = step == size - 2
+            for lo, hi in seg((rank - step - 1) % size):
+                part = buf[lo:hi]
+                reduce_into(part, _incoming(link.recv(tag), buf.dtype, hi - lo), op)
+                if last:
+                    finalize(part, op, size)
+                link.send(tag, part)
+        _gather_phase(buf, bounds, rank, size, link, (rank + 1) % size, chunk_elems, tag)
+    else:
+        finalize(buf, op, size)
+
+
+def _gather_phase(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, link: Link,
+                  owned: int, chunk_elems: int, tag: int) -> None:
+    # The owned segment has already been sent; receive the others in ring order and
+    # forward each chunk unless the next rank is the one it came from.
+    for step in range(size - 1):
+        s = (owned - step - 1) % size
+        for lo, hi in _chunks(bounds[s], bounds[s + 1], chunk_elems):
+            buf[lo:hi] = _incoming(link.recv(tag), buf.dtype, hi - lo)
+            if step < size - 2:
+                link.send(tag, buf[lo:hi])
+
+
+def ring_allgather(buf: np.ndarray, counts: Sequence[int], rank: int, size: int, link: Link,
+                   chunk_elems: int, tag: int = 0) -> None:
+    """All-gather in place: ``buf`` holds every rank's part (``counts`` elements each,
+    in rank order); on entry only this rank's part is filled."""
+    if size == 1:
+        return
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    for lo, hi in _chunks(bounds[rank], bounds[rank + 1], chunk_elems):
+        link.send(tag, buf[lo:hi])
+    _gather_phase(buf, bounds, rank, size, link, rank, chunk_elems, tag)
+
+
+def ring_broadcast(buf: np.ndarray, root: int, rank: int, size: int, link: Link,
+                   chunk_elems: int, tag: int = 0) -> None:
+    """Pipelined chain broadcast of ``root``'s ``buf`` around the ring."""
+    if size == 1:
+        return
+    last = (root - 1) % size
+    for lo, hi in _chunks(0, buf.size, chunk_elems):
+        if rank != root:
+            buf[lo:hi] = _incoming(link.recv(tag), buf.dtype, hi - lo)
+        if rank != last:
+            link.send(tag, buf[lo:hi])

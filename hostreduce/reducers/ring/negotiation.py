@@ -1,0 +1,137 @@
+"""Agreeing on one execution order for collectives submitted in any order.
+
+Every rank announces each collective it submits (name, kind, dtype, shape, op, root)
+to the coordinator on rank 0. When all ranks have announced a name, the coordinator
+checks that the announcements agree and appends it to the plan that every rank then
+executes in the same order. Consecutive all-reduces of the same dtype and op that
+become ready together are fused into one bucket up to the fusion threshold.
+Disagreements and collectives that some ranks never submit become error items, so
+every rank that submitted them fails with a message naming each rank's value.
+
+Pure logic: no threads or sockets, so it is tested directly.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["Coordinator", "describe"]
+
+Entry = dict[str, Any]
+_FIELDS = {
+    "allreduce": ("kind", "dtype", "shape", "op"),
+    "broadcast": ("kind", "dtype", "shape", "root"),
+    "allgather": ("kind", "dtype", "inner_shape"),
+    "barrier": ("kind",),
+}
+
+
+def describe(entry: Entry) -> Entry:
+    """Add derived fields used for matching."""
+    entry = dict(entry)
+    entry["inner_shape"] = list(entry["shape"][1:])
+    return entry
+
+
+class Coordinator:
+    def __init__(self, size: int, fusion_threshold: int, send_plan: Callable[[list[dict]], None],
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self._send = send_plan
+        self._timeout = timeout_s
+        self._clock = clock
+        self._table: dict[str, dict[int, Entry]] = {}
+        self._first_seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def on_ready(self, rank: int, entries: list[Entry]) -> None:
+        with self._lock:
+            complete: list[str] = []
+            for e in entries:
+                name = e["name"]
+                slot = self._table.setdefault(name, {})
+                if not slot:
+                    self._first_seen[name] = self._clock()
+                slot[rank] = describe(e)
+                if len(slot) == self.size:
+                    complete.append(name)
+            if complete:
+                items = self._plan(complete)
+                self._send(items)
+
+    def check_stalls(self) -> None:
+        """Fail collectives that some ranks submitted and others did not, after the timeout."""
+        with self._lock:
+            now = self._clock()
+            stale = [n for n, t in self._first_seen.items() if now - t > self._timeout]
+            items = []
+            for name in stale:
+                slot = self._table.pop(name)
+                del self._first_seen[name]
+                missing = sorted(set(range(self.size)) - set(slot))
+                items.append({
+                    "kind": "error", "etype": "stall", "names": [name], "ranks": sorted(slot),
+                    "error": (f"Collective {name!r} was submitted by ranks {sorted(slot)} but not by ranks "
+                              f"{missing} within {self._timeout} s (every rank must submit the same collectives)"),
+                })
+            if items:
+                self._send(items)
+
+    def _plan(self, names: list[str]) -> list[dict]:
+        items: list[dict] = []
+        bucket: list[str] = []
+        bucket_key: tuple | None = None
+        bucket_bytes = 0
+
+        def flush() -> None:
+            nonlocal bucket, bucket_key, bucket_bytes
+            if bucket:
+                items.append({"kind": "allreduce", "names": bucket})
+            bucket, bucket_key, bucket_bytes = [], None, 0
+
+        for name in names:
+            slot = self._table.pop(name)
+            del self._first_seen[name]
+            ref = slot[0]
+            error = self._mismatch(name, slot)
+            if error is not None:
+                flush()
+                items.append({"kind": "error", "etype": "mismatch", "names": [name],
+                              "ranks": list(range(self.size)), "error": error})
+                continue
+            kind = ref["kind"]
+            if kind != "allreduce":
+                flush()
+                item: dict[str, Any] = {"kind": kind, "names": [name]}
+                if kind == "allgather":
+                    item["counts"] = [slot[r]["shape"][0] if slot[r]["shape"] else 1 for r in range(self.size)]
+                items.append(item)
+                continue
+            key = (ref["dtype"], ref["op"])
+            nbytes = ref["nbytes"]
+            if bucket and (key != bucket_key or bucket_bytes + nbytes > self.fusion_threshold):
+                flush()
+            bucket.append(name)
+            bucket_key = key
+            bucket_bytes += nbytes
+        flush()
+        return items
+
+    def _mismatch(self, name: str, slot: dict[int, Entry]) -> str | None:
+        fields = _FIELDS.get(slot[0]["kind"], ("kind",))
+        if any(slot[r]["kind"] != slot[0]["kind"] for r in slot):
+            fields = ("kind",)
+        for field in fields:
+            values = [slot[r].get(field) for r in range(self.size)]
+            if any(v != values[0] for v in values):
+                per_rank = ", ".join(f"rank {r}: {_fmt(field, v)}" for r, v in enumerate(values))
+                return f"Tensor {name!r} mismatch across ranks in {field}: {per_rank}"
+        return None
+
+
+def _fmt(field: str, value: Any) -> str:
+    if field in ("shape", "inner_shape"):
+        return str(tuple(value))
+    return str(value)

@@ -1,0 +1,412 @@
+"""``RingReducer``: the gRPC ring engine behind the common reducer interface.
+
+Threads: the caller submits and announces; rank 0's coordinator (driven by incoming
+announcements) issues the plan; one executor thread per rank runs the plan in order
+over the ring (gRPC) or the shared-memory path, and completes the handles.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...config import Config
+from ...errors import (ConfigError, PeerLostError, ReducerClosedError, TensorMismatchError,
+                       CollectiveTimeoutError, HostReduceError)
+from ..base import Handle, ReduceOp, Reducer, check_array, register_reducer
+from . import algorithm
+from .negotiation import Coordinator
+
+__all__ = ["RingReducer"]
+
+log = logging.getLogger("hostreduce.ring")
+
+
+@dataclass
+class _Pending:
+    kind: str
+    array: np.ndarray
+    out: np.ndarray | None
+    op: ReduceOp
+    root: int
+    handle: Handle
+
+
+class _MeshLink:
+    def __init__(self, mesh: Any, nxt: int, prev: int, timeout: float) -> None:
+        self._mesh, self._next, self._prev, self._timeout = mesh, nxt, prev, timeout
+
+    def send(self, tag: int, data: np.ndarray) -> None:
+        from .grpc_mesh import DATA
+
+        self._mesh.send(self._next, DATA, tag, data)
+
+    def recv(self, tag: int) -> memoryview:
+        return self._mesh.recv_data(self._prev, tag, self._timeout)
+
+
+@register_reducer("ring")
+class RingReducer(Reducer):
+    """Ring all-reduce between the workers of a ``TF_CONFIG`` cluster.
+
+    Args:
+        cluster: a ``ClusterSpec`` with every rank's address (default: resolved from
+            ``TF_CONFIG``).
+        config: a ``Config`` (default: from ``HOSTREDUCE_*`` variables). ``secret`` is
+            required when there is more than one worker.
+    """
+
+    def __init__(self, cluster: Any = None, config: Config | None = None) -> None:
+        super().__init__()
+        from ...cluster import resolve_cluster
+
+        self._cluster = resolve_cluster() if cluster is None else cluster
+        self._config = Config.from_env() if config is None else config
+        self._rank, self._size = self._cluster.rank, self._cluster.size
+        logging.getLogger("hostreduce").setLevel(self._config.log_level.upper())
+        if self._size > 1:
+            if not self._cluster.addresses:
+                raise ConfigError(
+                    "The 'ring' reducer needs every worker's address: start workers with TF_CONFIG "
+                    "(or `hostreduce run -np N`). Received: a cluster without addresses "
+                    f"(source={self._cluster.source!r}); under mpirun use the 'mpi' or 'horovod' reducer"
+                )
+            if not self._config.secret:
+                raise ConfigError(
+                    "The 'ring' reducer needs a shared secret to admit only this job's workers: set "
+                    "HOSTREDUCE_SECRET to the same value on every worker (`hostreduce run` does this). "
+                    "Received: secret=None"
+                )
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._plans: queue.SimpleQueue = queue.SimpleQueue()
+        self._setup: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._barriers = 0
+        self._tag = 0
+        self._fusion: dict[np.dtype, np.ndarray] = {}
+        self._mesh: Any = None
+        self._link: _MeshLink | None = None
+        self._current: list[_Pending] = []
+        self._shm: Any = None
+        self._coordinator: Coordinator | None = None
+        self.transport = "local"
+        if self._rank == 0:
+            self._coordinator = Coordinator(self._size, self._config.fusion_threshold_bytes,
+                                            self._publish_plan, self._config.timeout_s)
+        try:
+            if self._size > 1:
+                self._start_mesh()
+        except BaseException as e:
+            # A configuration refusal is an orderly goodbye; anything else is not.
+            self._shutdown(graceful=isinstance(e, ConfigError))
+            raise
+        self._chunk_elems_cache: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._executor = threading.Thread(target=self._run, name=f"hostreduce-ring-{self._rank}", daemon=True)
+        self._executor.start()
+        self._watchdog: threading.Thread | None = None
+        if self._coordinator is not None and self._size > 1:
+            self._watchdog = threading.Thread(target=self._watch, name="hostreduce-watchdog", daemon=True)
+            self._watchdog.start()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    # ------------------------------------------------------------------ start-up
+    def _start_mesh(self) -> None:
+        from .grpc_mesh import CTL, GrpcMesh
+
+        cfg = self._config
+        self._mesh = GrpcMesh(self._rank, tuple(self._cluster.addresses), cfg.secret or "",
+                              bind_host=cfg.bind_host, timeout_s=cfg.timeout_s,
+                              on_ctl=self._on_ctl, on_peer_lost=self._on_peer_lost)
+        self._mesh.start(cfg.connect_timeout_s)
+        hello = {"t": "join", "rank": self._rank, "transport": cfg.transport,
+                 "chunk_bytes": cfg.chunk_bytes, "host": socket.gethostname()}
+        if self._rank == 0:
+            joins = [hello]
+            while len(joins) < self._size:
+                joins.append(self._setup_get())
+            welcome = self._decide(joins)
+            for peer in range(1, self._size):
+                self._mesh.send(peer, CTL, 0, json.dumps(welcome).encode())
+        else:
+            self._mesh.send(0, CTL, 0, json.dumps(hello).encode())
+            welcome = self._setup_get()
+        if "error" in welcome:
+            raise ConfigError(welcome["error"])
+        self.transport = welcome["transport"]
+        if self.transport == "shm":
+            from .shm import ShmGroup
+
+            self._shm = ShmGroup(self._rank, self._size, welcome["token"], cfg.timeout_s, lambda: self._error)
+        nxt, prev = (self._rank + 1) % self._size, (self._rank - 1) % self._size
+        self._link = _MeshLink(self._mesh, nxt, prev, cfg.timeout_s)
+        log.info("rank %d/%d: ring up, data path %s", self._rank, self._size, self.transport)
+
+    def _setup_get(self) -> dict:
+        try:
+            msg = self._setup.get(timeout=self._config.connect_timeout_s)
+        except queue.Empty:
+            raise PeerLostError(f"Rank {self._rank}: the ring did not finish its start-up handshake within "
+                                f"connect_timeout_s={self._config.connect_timeout_s}") from None
+        if isinstance(msg, BaseException):
+            raise msg
+        return msg
+
+    def _decide(self, joins: list[dict]) -> dict:
+        joins = sorted(joins, key=lambda j: j["rank"])
+        for field in ("transport", "chunk_bytes"):
+            values = [j[field] for j in joins]
+            if any(v != values[0] for v in values):
+                per_rank = ", ".join(f"rank {j['rank']}: {j[field]!r}" for j in joins)
+                return {"t": "welcome", "error": f"Every worker needs the same `{field}` setting. Received: {per_rank}"}
+        same_host = len({j["host"] for j in joins}) == 1
+        transport = joins[0]["transport"]
+        if transport == "shm" and not same_host:
+            hosts = sorted({j["host"] for j in joins})
+            return {"t": "welcome", "error": f"`transport`='shm' needs every worker on one host. Received workers on {hosts}"}
+        if transport == "auto":
+            transport = "shm" if same_host else "grpc"
+        return {"t": "welcome", "transport": transport, "token": secrets.token_hex(8)}
+
+    # ------------------------------------------------------------------ messages
+    def _on_ctl(self, src: int, payload: bytes) -> None:
+        msg = json.loads(bytes(payload))
+        t = msg.get("t")
+        if t == "ready" and self._coordinator is not None:
+            self._coordinator.on_ready(src, msg["entries"])
+        elif t == "plan":
+            self._plans.put(msg["items"])
+        elif t in ("join", "welcome"):
+            self._setup.put(msg)
+
+    def _publish_plan(self, items: list[dict]) -> None:
+        if self._size > 1:
+            from .grpc_mesh import CTL
+
+            payload = json.dumps({"t": "plan", "items": items}).encode()
+            for peer in range(1, self._size):
+                self._mesh.send(peer, CTL, 0, payload)
+        self._plans.put(items)
+
+    def _announce(self, entry: dict) -> None:
+        if self._rank == 0:
+            assert self._coordinator is not None
+            self._coordinator.on_ready(0, [entry])
+        else:
+            from .grpc_mesh import CTL
+
+            self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": [entry]}).encode())
+
+    def _on_peer_lost(self, peer: int, why: str) -> None:
+        self._fail(PeerLostError(f"Rank {self._rank}: {why}"))
+
+    def _fail(self, err: BaseException) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = err
+            pending, self._pending = self._pending, {}
+        log.error("%s", err)
+        if self._mesh is not None:
+            self._mesh.broadcast_abort(str(err))
+            self._mesh.wake_all()
+        for p in pending.values():
+            p.handle.set_error(err)
+        self._setup.put(err)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            if self._coordinator is not None:
+                self._coordinator.check_stalls()
+
+    # ------------------------------------------------------------------ submission
+    def _submit(self, name: str, kind: str, arr: np.ndarray, out: np.ndarray | None,
+                op: ReduceOp, root: int) -> Handle:
+        self._check_open()
+        handle = Handle(name)
+        entry = {"name": name, "kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
+                 "op": op.value, "root": root, "nbytes": int(arr.nbytes)}
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if name in self._pending:
+                raise ConfigError(f"A collective named {name!r} is already in flight on rank {self._rank}; "
+                                  "wait for it before submitting the name again")
+            self._pending[name] = _Pending(kind, arr, out, op, root, handle)
+        self._announce(entry)
+        return handle
+
+    def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
+                        out: np.ndarray | None = None) -> Handle:
+        arr = check_array(name, array)
+        if out is not None and (out.shape != arr.shape or out.dtype != arr.dtype or not out.flags.c_contiguous):
+            raise ConfigError(f"Tensor {name!r}: `out` must be a C-contiguous array of shape {arr.shape} and dtype "
+                              f"{arr.dtype}. Received: shape={out.shape}, dtype={out.dtype}")
+        return self._submit(name, "allreduce", arr, out, ReduceOp.parse(op), 0)
+
+    def broadcast_async(self, name: str, array: np.ndarray, root: int = 0) -> Handle:
+        arr = check_array(name, array)
+        return self._submit(name, "broadcast", arr, None, ReduceOp.SUM, self._check_root(root))
+
+    def allgather_async(self, name: str, array: np.ndarray) -> Handle:
+        arr = check_array(name, array)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        return self._submit(name, "allgather", arr, None, ReduceOp.SUM, 0)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._barriers += 1
+        handle = self._submit(f"__barrier__/{self._barriers}", "barrier", np.zeros(0, np.float32), None,
+                              ReduceOp.SUM, 0)
+        handle.wait(timeout if timeout is not None else self._config.timeout_s * 2)
+
+    # ------------------------------------------------------------------ execution
+    def _run(self) -> None:
+        while True:
+            items = self._plans.get()
+            if items is None:
+                return
+            for item in items:
+                try:
+                    self._execute(item)
+                except Exception as e:  # an engine bug must not leave ranks hanging
+                    err = e if isinstance(e, HostReduceError) else PeerLostError(
+                        f"Rank {self._rank}: collective failed: {type(e).__name__}: {e}")
+                    self._fail(err)
+                    for p in self._current:
+                        p.handle.set_error(err)
+                finally:
+                    self._current = []
+
+    def _take(self, names: list[str]) -> list[_Pending]:
+        with self._lock:
+            self._current = [self._pending.pop(n) for n in names if n in self._pending]
+            return self._current
+
+    def _execute(self, item: dict) -> None:
+        kind = item["kind"]
+        if kind == "error":
+            if self._rank not in item.get("ranks", [self._rank]):
+                return
+            cls = TensorMismatchError if item["etype"] == "mismatch" else CollectiveTimeoutError
+            for p in self._take(item["names"]):
+                p.handle.set_error(cls(item["error"]))
+            return
+        entries = self._take(item["names"])
+        if len(entries) != len(item["names"]):
+            if self._error is not None:
+                return
+            raise PeerLostError(f"Rank {self._rank}: plan names collectives {item['names']} not pending here")
+        if kind == "barrier":
+            entries[0].handle.set_result(None)
+            return
+        self._tag += 1
+        if kind == "allreduce":
+            self._allreduce(entries)
+        elif kind == "broadcast":
+            self._broadcast(entries[0])
+        elif kind == "allgather":
+            self._allgather(entries[0], item["counts"])
+
+    def _chunk_elems(self, itemsize: int) -> int:
+        return max(1, self._config.chunk_bytes // itemsize)
+
+    def _allreduce(self, entries: list[_Pending]) -> None:
+        dtype = entries[0].array.dtype
+        op = entries[0].op
+        outs = [p.out if p.out is not None else np.empty(p.array.shape, dtype) for p in entries]
+        flats_in = [p.array.reshape(-1) for p in entries]
+        n = sum(f.size for f in flats_in)
+        if len(entries) == 1:
+            work = outs[0].reshape(-1)
+        else:
+            work = self._fusion_buffer(dtype, n)
+        if self._shm is not None:
+            self._shm.allreduce(flats_in, dtype, n, op, work)
+        else:
+            off = 0
+            for f in flats_in:
+                if work[off:off + f.size].__array_interface__["data"][0] != f.__array_interface__["data"][0]:
+                    work[off:off + f.size] = f
+                off += f.size
+            algorithm.ring_allreduce(work, self._rank, self._size, self._link, op, self._chunk_elems(dtype.itemsize), self._tag)
+        if len(entries) > 1:
+            off = 0
+            for o in outs:
+                o.reshape(-1)[:] = work[off:off + o.size]
+                off += o.size
+        for p, o in zip(entries, outs):
+            p.handle.set_result(o)
+
+    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
+        buf = self._fusion.get(dtype)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, 1 << (max(n, 1) - 1).bit_length()), dtype)
+            self._fusion[dtype] = buf
+        return buf[:n]
+
+    def _broadcast(self, p: _Pending) -> None:
+        out = np.array(p.array, copy=True, order="C")
+        flat = out.reshape(-1)
+        if self._size > 1 and flat.size:
+            if self._shm is not None:
+                self._shm.broadcast(flat, p.root)
+            else:
+                algorithm.ring_broadcast(flat, p.root, self._rank, self._size, self._link,
+                                         self._chunk_elems(out.dtype.itemsize), self._tag)
+        p.handle.set_result(out)
+
+    def _allgather(self, p: _Pending, counts: list[int]) -> None:
+        inner = p.array.shape[1:]
+        per = int(np.prod(inner, dtype=np.int64)) if inner else 1
+        elems = [c * per for c in counts]
+        out = np.empty((sum(counts),) + inner, p.array.dtype)
+        flat = out.reshape(-1)
+        if self._shm is not None:
+            self._shm.allgather(np.ascontiguousarray(p.array).reshape(-1), elems, flat)
+        else:
+            off = sum(elems[: self._rank])
+            flat[off:off + elems[self._rank]] = p.array.reshape(-1)
+            if self._size > 1:
+                algorithm.ring_allgather(flat, elems, self._rank, self._size, self._link,
+                                         self._chunk_elems(out.dtype.itemsize), self._tag)
+        p.handle.set_result(out)
+
+    # ------------------------------------------------------------------ shutdown
+    def _close(self) -> None:
+        self._shutdown(graceful=self._error is None)
+
+    def _shutdown(self, graceful: bool) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            if self._error is None:
+                self._error = ReducerClosedError(f"The 'ring' reducer on rank {self._rank} is closed")
+        for p in pending.values():
+            p.handle.set_error(ReducerClosedError(f"Collective {p.handle.name!r} was pending when the reducer closed"))
+        self._plans.put(None)
+        executor = getattr(self, "_executor", None)
+        if self._mesh is not None:
+            self._mesh.close(graceful=graceful)
+        if executor is not None and executor is not threading.current_thread():
+            executor.join(timeout=5.0)
+        if self._shm is not None:
+            self._shm.close()

@@ -1,0 +1,61 @@
+"""Start a worker script under ``mpirun`` for tests, never waiting forever.
+
+The job runs in its own session; on timeout mpirun gets SIGTERM (it stops its ranks),
+then every process left in the session (ranks may sit in process groups of their own)
+gets SIGKILL, so no orphaned rank outlives the test.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent
+
+
+def run_mpi(reducer_name: str, np: int, script: str, *args: str, timeout: float = 240.0,
+            env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``mpirun -np NP python WORKERS/script args`` with the reducer's mpirun.
+
+    Returns ``(exit status, combined output)``; raises ``TimeoutError`` (after killing the
+    process group) when the job runs past ``timeout`` seconds.
+    """
+    from hostreduce.reducers._mpi_select import mpirun_command
+
+    cmd = mpirun_command(reducer_name, np, [sys.executable, str(WORKERS / script), *args])
+    full_env = dict(os.environ if env is None else env)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH", "")]))
+    # Never let a setting of the surrounding shell redirect mpi4py to another library.
+    full_env.pop("MPI4PY_LIBMPI", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=str(ROOT), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            out = ""
+        _kill_session(proc.pid)
+        if proc.poll() is None:
+            out += proc.communicate()[0] or ""
+        raise TimeoutError(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out}") from None
+    return proc.returncode, out
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process whose session id is ``sid`` (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if int(fields[3]) == sid:  # state ppid pgrp session
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue

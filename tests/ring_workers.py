@@ -1,0 +1,137 @@
+"""Rank bodies for the multi-process ring tests (top-level so that spawned ranks can
+import them). Each takes (rank, world_size, ...) and returns something picklable."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import numpy as np
+
+from hostreduce.cluster import resolve_cluster
+from hostreduce.config import Config
+from hostreduce.reducers import create_reducer
+from hostreduce.reducers.base import SUPPORTED_DTYPES
+
+
+def make_reducer(transport: str = "auto", **overrides):
+    config = Config.from_env(transport=transport, **overrides)
+    return create_reducer("ring", cluster=resolve_cluster(), config=config)
+
+
+def rank_input(rank: int, dtype: np.dtype, n: int, salt: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 * salt + rank)
+    if dtype.kind in "iu":
+        return rng.integers(-10_000, 10_000, n).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+def allreduce_everything(rank: int, size: int, transport: str) -> dict:
+    """Every dtype and op, sizes around chunk and segment edges, submitted in a
+    rank-dependent order; returns results and digests."""
+    cases = []
+    for d, dtype in enumerate(SUPPORTED_DTYPES):
+        for o, op in enumerate(("sum", "mean", "min", "max")):
+            for n in (0, 1, 3, 1000, 70_001):
+                cases.append((f"{dtype.name}/{op}/{n}", dtype, op, n, d * 100 + o * 10 + n % 7))
+    order = list(range(len(cases)))
+    if rank % 2:
+        order.reverse()
+    with make_reducer(transport, chunk_bytes=64 * 1024, fusion_threshold_bytes=256 * 1024) as r:
+        handles = {}
+        for i in order:
+            name, dtype, op, n, salt = cases[i]
+            handles[name] = r.allreduce_async(name, rank_input(rank, dtype, n, salt), op)
+        out = {name: h.wait(60) for name, h in handles.items()}
+        r.barrier()
+        return {"transport": r.transport,
+                "results": {k: (v.dtype.name, v.tobytes()) for k, v in out.items()},
+                "digests": {k: digest(v) for k, v in out.items()}}
+
+
+def inplace_and_out(rank: int, size: int, transport: str) -> bool:
+    with make_reducer(transport) as r:
+        x = np.full((3, 5), rank + 1, np.float32)
+        same = r.allreduce("inplace", x, out=x)
+        assert same is x and np.all(x == size * (size + 1) / 2)
+        y = np.empty((3, 5), np.float32)
+        r.allreduce("out", np.ones((3, 5), np.float32), op="mean", out=y)
+        assert np.all(y == 1.0)
+        return True
+
+
+def broadcast_and_allgather(rank: int, size: int, transport: str) -> dict:
+    with make_reducer(transport, chunk_bytes=4096) as r:
+        root = size - 1
+        b = r.broadcast("b", np.arange(10_000, dtype=np.float64) * (rank + 1), root=root)
+        g = r.allgather("g", np.full((rank + 1, 3), rank, np.int32))
+        empty = r.allgather("e", np.zeros((0 if rank else 2, 2), np.float32))
+        r.barrier()
+        return {"b": digest(b), "b_ok": bool(np.all(b == np.arange(10_000) * (root + 1))),
+                "g": g.tolist(), "e_shape": empty.shape}
+
+
+def many_small_tensors(rank: int, size: int, transport: str) -> list[float]:
+    """Gradient-like traffic: 200 tensors, several steps, names reused each step."""
+    with make_reducer(transport) as r:
+        sums = []
+        for step in range(3):
+            hs = [r.allreduce_async(f"grad/{i}", np.full(37 + i, float(rank + step + i), np.float32), "mean")
+                  for i in range(200)]
+            sums.append(float(sum(h.wait(60).sum() for h in hs)))
+        return sums
+
+
+def mismatch(rank: int, size: int, transport: str) -> str:
+    with make_reducer(transport) as r:
+        shape = (4,) if rank == 0 else (5,)
+        try:
+            r.allreduce("w", np.zeros(shape, np.float32))
+        except Exception as e:  # the test inspects the type and message
+            out = f"{type(e).__name__}: {e}"
+        else:
+            out = "no error"
+        # The ring stays usable after a mismatch.
+        ok = r.allreduce("after", np.ones(2, np.float32))
+        assert np.all(ok == size), ok
+        return out
+
+
+def die_mid_job(rank: int, size: int, transport: str, victim: int) -> str:
+    r = make_reducer(transport, timeout_s=10.0)
+    r.allreduce("warmup", np.ones(1000, np.float32))
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for i in range(1000):
+            r.allreduce(f"t{i}", np.ones(100_000, np.float32))
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
+    finally:
+        r.close()
+
+
+def connect_with_secret(rank: int, size: int, secrets: list[str]) -> str:
+    os.environ["HOSTREDUCE_SECRET"] = secrets[rank]
+    start = time.monotonic()
+    try:
+        with make_reducer("grpc", connect_timeout_s=10.0) as r:
+            r.allreduce("x", np.ones(3, np.float32))
+        return "connected"
+    except Exception as e:
+        return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
+
+
+def config_disagreement(rank: int, size: int) -> str:
+    try:
+        make_reducer("grpc", chunk_bytes=65536 * (rank + 1), connect_timeout_s=10.0).close()
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"

@@ -1,0 +1,74 @@
+"""The 'horovod' reducer under the mpirun of the MPI library Horovod links against.
+
+Skipped, with the reason, only when Horovod is not importable; build it with
+scripts/build_horovod.sh.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
+from mpi_launch import run_mpi  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+HINT = "build it with scripts/build_horovod.sh"
+
+
+@functools.lru_cache(maxsize=None)
+def horovod_missing() -> str | None:
+    """Why Horovod cannot be used here, or None. Imported in a child process so that this
+    process loads neither TensorFlow nor Horovod's MPI library."""
+    if importlib.util.find_spec("horovod") is None:
+        return f"horovod not importable: No module named 'horovod'; {HINT}"
+    probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+        return f"horovod not importable: {lines[-1] if lines else 'exit ' + str(probe.returncode)}; {HINT}"
+    try:
+        from hostreduce.reducers._mpi_select import mpirun_for
+
+        mpirun_for("horovod")
+    except Exception as exc:  # noqa: BLE001
+        return f"horovod is installed but has no mpirun: {exc}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def horovod_ready() -> None:
+    reason = horovod_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def test_horovod_reducer_matches_numpy(horovod_ready: None) -> None:
+    code, out = run_mpi("horovod", 2, "reducer_check.py", "horovod", timeout=240)
+    assert code == 0, out
+    for rank in range(2):
+        assert f"OK rank {rank}/2" in out, out
+
+
+def test_horovod_mpirun_is_not_the_wheel(horovod_ready: None) -> None:
+    from hostreduce.reducers._mpi_select import horovod_libmpi, mpirun_for
+
+    lib = horovod_libmpi()
+    assert lib is not None and lib.name.startswith("libmpi.so")
+    assert Path(mpirun_for("horovod")).exists()
+    assert Path(mpirun_for("horovod")).resolve() != Path(mpirun_for("mpi")).resolve()
+
+
+def test_missing_horovod_error_names_the_build_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostreduce.reducers import horovod as mod
+
+    monkeypatch.setitem(sys.modules, "horovod", None)  # makes `import horovod...` fail
+    monkeypatch.delitem(sys.modules, "horovod.tensorflow", raising=False)
+    with pytest.raises(mod.HorovodUnavailableError, match="build_horovod.sh") as info:
+        mod.import_horovod()
+    assert isinstance(info.value, ImportError)

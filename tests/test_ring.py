@@ -1,0 +1,108 @@
+"""The gRPC ring reducer across real processes at world sizes 1, 2 and 4, on both data
+paths, including the failure modes: mismatch, dead peer, wrong secret, bad config."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ring_workers as w
+from hostreduce.testing import run_ranks, run_ranks_allow_failure
+
+TRANSPORTS = ["grpc", "shm"]
+SIZES = [1, 2, 4]
+
+
+def numpy_reference(size: int, name: str) -> np.ndarray:
+    from hostreduce.reducers.base import SUPPORTED_DTYPES
+
+    dname, op, n = name.split("/")
+    dtype = next(d for d in SUPPORTED_DTYPES if d.name == dname)
+    d = SUPPORTED_DTYPES.index(dtype)
+    salt = d * 100 + ["sum", "mean", "min", "max"].index(op) * 10 + int(n) % 7
+    inputs = [w.rank_input(r, dtype, int(n), salt) for r in range(size)]
+    wide = [x.astype(np.float64) if dtype.kind != "i" else x for x in inputs]
+    if op in ("sum", "mean"):
+        total = np.sum(wide, axis=0)
+        if op == "mean":
+            total = total // size if dtype.kind == "i" else total / size
+        return total
+    return (np.min if op == "min" else np.max)(wide, axis=0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", SIZES)
+def test_allreduce_matches_numpy_bitwise_identical(size, transport):
+    outs = run_ranks(w.allreduce_everything, size, args=(transport,), timeout=150)
+    expected_path = "local" if size == 1 else transport
+    assert all(o["transport"] == expected_path for o in outs)
+    for name in outs[0]["digests"]:
+        assert len({o["digests"][name] for o in outs}) == 1, f"{name} differs across ranks"
+        dname, raw = outs[0]["results"][name]
+        got = np.frombuffer(raw, dtype=w.SUPPORTED_DTYPES[[d.name for d in w.SUPPORTED_DTYPES].index(dname)])
+        exp = numpy_reference(size, name)
+        if dname.startswith("int") or name.split("/")[1] in ("min", "max"):
+            np.testing.assert_array_equal(got.astype(exp.dtype), exp, err_msg=name)
+        else:
+            rtol = {"float32": 1e-6, "float64": 1e-12, "float16": 4e-3, "bfloat16": 3e-2}[dname]
+            inputs_abs = exp  # relative to the magnitude of the result, or to 1 near zero
+            tol = rtol * np.maximum(np.abs(inputs_abs), 1.0) * size
+            assert np.all(np.abs(got.astype(np.float64) - exp) <= tol), name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", SIZES)
+def test_broadcast_allgather_barrier(size, transport):
+    outs = run_ranks(w.broadcast_and_allgather, size, args=(transport,), timeout=90)
+    expected_g = sum(([[r] * 3] * (r + 1) for r in range(size)), [])
+    for o in outs:
+        assert o["b_ok"] and o["b"] == outs[0]["b"]
+        assert o["g"] == expected_g
+        assert o["e_shape"] == (2, 2)
+    assert all(run_ranks(w.inplace_and_out, size, args=(transport,), timeout=90))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_many_small_tensors_fuse_and_agree(transport):
+    outs = run_ranks(w.many_small_tensors, 2, args=(transport,), timeout=90)
+    assert outs[0] == outs[1]
+    expected = [sum((37 + i) * (0.5 + step + i) for i in range(200)) for step in range(3)]
+    np.testing.assert_allclose(outs[0], expected, rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 4])
+def test_mismatch_raises_on_every_rank_naming_each_value(size):
+    outs = run_ranks(w.mismatch, size, args=("grpc",), timeout=60)
+    for o in outs:
+        assert o.startswith("TensorMismatchError"), o
+        assert "'w'" in o and "rank 0: (4,)" in o and "rank 1: (5,)" in o
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size,victim", [(2, 1), (4, 2)])
+def test_dead_peer_raises_peer_lost_on_every_survivor(size, victim, transport):
+    outs = run_ranks_allow_failure(w.die_mid_job, size, args=(transport, victim), timeout=60)
+    assert outs[victim] == "killed"
+    for r, o in enumerate(outs):
+        if r != victim:
+            assert o.startswith("PeerLostError"), f"rank {r}: {o}"
+            assert float(o.split(" after ")[1].split("s:")[0]) < 10.0, o
+
+
+@pytest.mark.timeout(60)
+def test_wrong_secret_is_refused_on_both_sides():
+    outs = run_ranks_allow_failure(w.connect_with_secret, 2, args=(["right", "wrong"],), timeout=45)
+    for o in outs:
+        assert o.startswith("AuthenticationError"), o
+        assert "HOSTREDUCE_SECRET" in o
+
+
+@pytest.mark.timeout(60)
+def test_config_disagreement_is_reported_on_every_rank():
+    outs = run_ranks_allow_failure(w.config_disagreement, 2, timeout=45)
+    for o in outs:
+        assert o.startswith("ConfigError") and "chunk_bytes" in o, o

@@ -1,0 +1,189 @@
+"""The ring algorithm over an in-memory link, against numpy (property-based), and the
+coordinator's ordering, fusion and error items."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hostreduce.reducers.base import ReduceOp, SUPPORTED_DTYPES
+from hostreduce.reducers.ring import algorithm
+from hostreduce.reducers.ring.negotiation import Coordinator
+
+
+class MemLink:
+    def __init__(self, inboxes: list[queue.Queue], rank: int) -> None:
+        self.inboxes, self.rank = inboxes, rank
+
+    def send(self, tag: int, data: np.ndarray) -> None:
+        self.inboxes[(self.rank + 1) % len(self.inboxes)].put((tag, data.tobytes()))
+
+    def recv(self, tag: int) -> bytes:
+        got, payload = self.inboxes[self.rank].get(timeout=10)
+        assert got == tag
+        return payload
+
+
+def run_ring(size: int, fn) -> list:
+    inboxes = [queue.Queue() for _ in range(size)]
+    results: list = [None] * size
+    errors: list = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, MemLink(inboxes, rank))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert all(q.empty() for q in inboxes), "ring left undelivered messages"
+    return results
+
+
+def make_inputs(size: int, n: int, dtype: np.dtype, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.kind in "iu":
+        return [rng.integers(-1000, 1000, n).astype(dtype) for _ in range(size)]
+    return [rng.standard_normal(n).astype(dtype) for _ in range(size)]
+
+
+def numpy_reduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    wide = [x.astype(np.float64) if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else x for x in inputs]
+    if op is ReduceOp.SUM:
+        return np.sum(wide, axis=0)
+    if op is ReduceOp.MEAN:
+        total = np.sum(wide, axis=0)
+        return total // len(inputs) if inputs[0].dtype.kind in "iu" else total / len(inputs)
+    return (np.min if op is ReduceOp.MIN else np.max)(wide, axis=0)
+
+
+def tolerance(dtype: np.dtype) -> float:
+    return {"float16": 5e-3, "bfloat16": 3e-2, "float32": 1e-6, "float64": 1e-12}.get(dtype.name, 0.0)
+
+
+DTYPES = st.sampled_from(SUPPORTED_DTYPES)
+OPS = st.sampled_from(list(ReduceOp))
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 5), n=st.integers(0, 3000), dtype=DTYPES, op=OPS,
+       chunk=st.integers(1, 700), seed=st.integers(0, 2**16))
+def test_allreduce_matches_numpy_and_is_identical_on_every_rank(size, n, dtype, op, chunk, seed):
+    inputs = make_inputs(size, n, dtype, seed)
+
+    def rank_fn(rank, link):
+        buf = inputs[rank].copy()
+        algorithm.ring_allreduce(buf, rank, size, link, op, chunk, tag=7)
+        return buf
+
+    results = run_ring(size, rank_fn)
+    for r in results[1:]:
+        assert r.tobytes() == results[0].tobytes()
+    expected = numpy_reduce(inputs, op)
+    got = results[0].astype(np.float64) if dtype.kind == "f" or dtype.name == "bfloat16" else results[0]
+    if tolerance(dtype) == 0.0 or op in (ReduceOp.MIN, ReduceOp.MAX):
+        np.testing.assert_array_equal(got, expected.astype(got.dtype) if op in (ReduceOp.MIN, ReduceOp.MAX) else expected)
+    else:
+        scale = np.maximum(np.abs(expected), np.sum([np.abs(x.astype(np.float64)) for x in inputs], axis=0))
+        assert np.all(np.abs(got - expected) <= tolerance(dtype) * np.maximum(scale, 1e-30) * 1.0001)
+
+
+@settings(max_examples=30, deadline=None)
+@given(counts=st.lists(st.integers(0, 50), min_size=1, max_size=5), inner=st.integers(1, 4),
+       chunk=st.integers(1, 40))
+def test_allgather_concatenates_in_rank_order(counts, inner, chunk):
+    size = len(counts)
+    parts = [np.arange(c * inner, dtype=np.int64) + 1000 * r for r, c in enumerate(counts)]
+    elems = [c * inner for c in counts]
+
+    def rank_fn(rank, link):
+        buf = np.zeros(sum(elems), np.int64)
+        off = sum(elems[:rank])
+        buf[off:off + elems[rank]] = parts[rank]
+        algorithm.ring_allgather(buf, elems, rank, size, link, chunk)
+        return buf
+
+    for got in run_ring(size, rank_fn):
+        np.testing.assert_array_equal(got, np.concatenate(parts))
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(1, 5), n=st.integers(0, 500), chunk=st.integers(1, 100), data=st.data())
+def test_broadcast_from_any_root(size, n, chunk, data):
+    root = data.draw(st.integers(0, size - 1))
+    source = np.arange(n, dtype=np.float32) * 3.5
+
+    def rank_fn(rank, link):
+        buf = source.copy() if rank == root else np.zeros(n, np.float32)
+        algorithm.ring_broadcast(buf, root, rank, size, link, chunk)
+        return buf
+
+    for got in run_ring(size, rank_fn):
+        np.testing.assert_array_equal(got, source)
+
+
+# ---------------------------------------------------------------- coordinator
+def entry(name, kind="allreduce", dtype="float32", shape=(4,), op="sum", root=0):
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return {"name": name, "kind": kind, "dtype": dtype, "shape": list(shape), "op": op, "root": root,
+            "nbytes": nbytes}
+
+
+def coordinator(size=2, threshold=1 << 20, timeout=30.0, clock=None):
+    plans: list[dict] = []
+    kwargs = {} if clock is None else {"clock": clock}
+    return Coordinator(size, threshold, plans.extend, timeout, **kwargs), plans
+
+
+def test_order_is_agreed_whatever_the_submission_order():
+    coord, plans = coordinator(threshold=0)
+    for n in "abc":
+        coord.on_ready(0, [entry(n)])
+    for n in "cba":
+        coord.on_ready(1, [entry(n)])
+    assert [i["names"] for i in plans] == [["c"], ["b"], ["a"]]
+
+
+def test_ready_tensors_are_fused_up_to_the_threshold_by_dtype_and_op():
+    coord, plans = coordinator(threshold=48)
+    batch = [entry("a"), entry("b"), entry("c", dtype="float64"), entry("d", op="max"), entry("e"),
+             entry("f"), entry("g"), entry("h")]
+    coord.on_ready(0, batch)
+    coord.on_ready(1, batch)
+    assert [i["names"] for i in plans] == [["a", "b"], ["c"], ["d"], ["e", "f", "g"], ["h"]]
+
+
+@pytest.mark.parametrize("field,a,b,fragment", [
+    ("shape", (4,), (5,), "rank 0: (4,), rank 1: (5,)"),
+    ("dtype", "float32", "int32", "rank 0: float32, rank 1: int32"),
+    ("op", "sum", "max", "rank 0: sum, rank 1: max"),
+])
+def test_mismatch_becomes_an_error_item_naming_each_rank(field, a, b, fragment):
+    coord, plans = coordinator()
+    coord.on_ready(0, [entry("w", **{field: a})])
+    coord.on_ready(1, [entry("w", **{field: b})])
+    (item,) = plans
+    assert item["kind"] == "error" and item["etype"] == "mismatch"
+    assert "'w'" in item["error"] and fragment in item["error"]
+
+
+def test_collective_missing_on_a_rank_times_out_with_the_ranks_named():
+    now = [0.0]
+    coord, plans = coordinator(size=3, timeout=5.0, clock=lambda: now[0])
+    coord.on_ready(0, [entry("x")])
+    coord.on_ready(2, [entry("x")])
+    coord.check_stalls()
+    assert plans == []
+    now[0] = 6.0
+    coord.check_stalls()
+    (item,) = plans
+    assert item["etype"] == "stall" and item["ranks"] == [0, 2]
+    assert "not by ranks [1]" in item["error"]

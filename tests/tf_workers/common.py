@@ -1,0 +1,130 @@
+"""Models, data and entry points shared by the training tests (run in subprocesses
+by ``run_ranks``/``mpirun`` and in the test process itself)."""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+GLOBAL_BATCH = 16
+FEATURES = 12
+CLASSES = 5
+
+
+def dataset_arrays(n: int = 512, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, FEATURES)).astype("float32")
+    w = rng.standard_normal((FEATURES, CLASSES)).astype("float32")
+    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, CLASSES)), axis=1).astype("int32")
+    return x, y
+
+
+def make_input_fn(global_batch: int = GLOBAL_BATCH, n: int = 512, repeat: bool = True) -> Any:
+    """Batches of ``global_batch`` examples; each worker takes its contiguous slice."""
+    import tensorflow as tf
+
+    x, y = dataset_arrays(n)
+
+    def input_fn(mode: str, input_context: Any = None) -> Any:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
+        if input_context is not None and input_context.num_input_pipelines > 1:
+            per = input_context.get_per_replica_batch_size(global_batch)
+            lo = input_context.input_pipeline_id * per
+            ds = ds.map(lambda a, b: (a[lo:lo + per], b[lo:lo + per]))
+        return ds.repeat() if repeat else ds
+
+    return input_fn
+
+
+def make_optimizer(name: str) -> Any:
+    import keras
+
+    if name == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if name == "adam":
+        return keras.optimizers.Adam(1e-2)
+    if name == "rmsprop":  # no fused kernel: the Keras path
+        return keras.optimizers.RMSprop(1e-2)
+    raise ValueError(name)
+
+
+def mlp_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
+    """The model_fn shape from the documentation: Keras layers and the optimizer are
+    built inside, gradients taken on the device, applied in ``host_call``."""
+    import keras
+    import tensorflow as tf
+
+    from hostreduce.estimator import EstimatorSpec, ModeKeys, compute_gradients
+
+    layers = [keras.layers.Dense(params.get("width", 32), activation="tanh") for _ in range(params.get("depth", 2))]
+    model = keras.Sequential(layers + [keras.layers.Dense(CLASSES)])
+    logits = model(features)
+    if mode == ModeKeys.PREDICT:
+        return EstimatorSpec(mode, predictions={"classes": tf.argmax(logits, axis=1)})
+    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    if mode == ModeKeys.TRAIN:
+        optimizer = make_optimizer(params.get("optimizer", "sgd"))
+        grads = compute_gradients(loss, model.trainable_variables)
+
+        def host_model_fn(*grads: Any) -> None:
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        return EstimatorSpec(mode, loss=loss, train_op=tf.identity(loss), host_call=(host_model_fn, grads))
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+    accuracy.update_state(labels, logits)
+    return EstimatorSpec(mode, loss=loss, eval_metric_ops={"accuracy": accuracy})
+
+
+def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | None = None,
+                  save_every: int | None = None, kill_at: int | None = None, global_batch: int = GLOBAL_BATCH,
+                  timeline_dir: str | None = None, depth: int = 2) -> dict[str, np.ndarray]:
+    """Train ``steps`` steps; return every variable. ``kill_at`` ends the process hard
+    right after that step (after its checkpoint, if one is due)."""
+    import keras
+
+    from hostreduce.estimator import Estimator, RunConfig
+
+    keras.utils.set_random_seed(1234)  # rank 0's initial weights equal the reference run's
+    config = RunConfig(train_distribute=strategy, model_dir=model_dir, save_checkpoints_steps=save_every,
+                       log_step_count_steps=None, timeline_dir=timeline_dir)
+    est = Estimator(mlp_model_fn, config=config, params={"optimizer": optimizer, "depth": depth})
+    hooks = []
+    if kill_at is not None:
+        def die(step: int, loss: float) -> None:
+            if step == kill_at:
+                if save_every and step % save_every == 0:
+                    est._save()
+                os._exit(17)
+        hooks.append(die)
+    est.train(make_input_fn(global_batch), max_steps=steps, hooks=hooks)
+    weights = est.get_variables()
+    metrics = est.evaluate(make_input_fn(global_batch, repeat=False), steps=4)
+    weights["__eval_loss__"] = np.array(metrics["loss"])
+    est.close()
+    return weights
+
+
+def ring_rank(rank: int, world_size: int, optimizer: str, steps: int) -> dict[str, np.ndarray]:
+    """Entry point for ``run_ranks``: MultiWorkerStrategy over the ring (TF_CONFIG)."""
+    from hostreduce.strategies import MultiWorkerStrategy
+
+    return train_weights(MultiWorkerStrategy(), optimizer, steps)
+
+
+if __name__ == "__main__":  # under mpirun: python common.py OPTIMIZER STEPS OUT_DIR
+    from hostreduce.strategies import HorovodStrategy
+
+    opt, n_steps, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    strategy = HorovodStrategy()
+    result = train_weights(strategy, opt, n_steps)
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **{k.replace("/", "__"): v for k, v in result.items()})
+    print(f"OK rank {rank}", flush=True)
