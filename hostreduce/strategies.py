@@ -15,7 +15,7 @@ from .errors import ConfigError
 
 __all__ = ["Strategy", "SingleProcessStrategy", "MultiWorkerStrategy", "HorovodStrategy", "InputContext"]
 
-logger = logging.getLogger("hostreduce")
+logger = logging.getLogger("hostreduce.strategies")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,18 +170,35 @@ class MultiWorkerStrategy(Strategy):
 
 class HorovodStrategy(Strategy):
     """Data-parallel training under ``mpirun``/``horovodrun``: Horovod's all-reduce where
-    Horovod is importable, otherwise MPI through mpi4py.
+    Horovod loads, otherwise MPI through mpi4py.
 
     Args:
         variables_on_host: as for :class:`MultiWorkerStrategy`.
         config: a ``hostreduce.config.Config``.
+        reducer: force ``"horovod"`` or ``"mpi"``; by default Horovod is tried first and
+            MPI is used when Horovod cannot be loaded (every rank decides alike, since
+            every rank has the same installation).
     """
 
     ordered_submission = True
 
-    def __init__(self, variables_on_host: bool = True, config: Any = None) -> None:
+    def __init__(self, variables_on_host: bool = True, config: Any = None, reducer: str | None = None) -> None:
         super().__init__(variables_on_host=variables_on_host, config=config)
-        self.reducer_name = "horovod" if _horovod_importable() else "mpi"
+        if reducer not in (None, "horovod", "mpi"):
+            raise ConfigError(f"`reducer` must be 'horovod', 'mpi' or None. Received: reducer={reducer!r}")
+        self._forced = reducer
+        self.reducer_name = reducer or ("horovod" if _horovod_importable() else "mpi")
+
+    def _create_reducer(self) -> Any:
+        from .reducers import create_reducer
+
+        if self.reducer_name == "horovod" and self._forced is None:
+            try:
+                return create_reducer("horovod", cluster=self.cluster, config=self._config)
+            except ImportError as exc:
+                logger.warning("Horovod cannot be loaded (%s); using the 'mpi' reducer", str(exc).splitlines()[0])
+                self.reducer_name = "mpi"
+        return create_reducer(self.reducer_name, cluster=self.cluster, config=self._config)
 
     def _resolve_cluster(self) -> Any:
         import os

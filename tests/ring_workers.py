@@ -105,7 +105,9 @@ def mismatch(rank: int, size: int, transport: str) -> str:
 def die_mid_job(rank: int, size: int, transport: str, victim: int) -> str:
     r = make_reducer(transport, timeout_s=10.0)
     r.allreduce("warmup", np.ones(1000, np.float32))
+    r.barrier()  # every rank is past the warm-up before the victim dies
     if rank == victim:
+        time.sleep(0.5)  # let the survivors' barrier complete and their traffic start
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:

@@ -20,7 +20,7 @@ from .run_config import RunConfig
 
 __all__ = ["Estimator"]
 
-logger = logging.getLogger("hostreduce")
+logger = logging.getLogger("hostreduce.estimator")
 
 
 def _check_steps(name: str, value: Any) -> None:
@@ -145,7 +145,7 @@ class Estimator:
             handles = [reducer.broadcast_async(f"hostreduce.sync.{i}", var.numpy(), root=0)
                        for i, (_, var) in enumerate(sorted(new, key=lambda kv: kv[0]))]
             for handle, (_, var) in zip(handles, sorted(new, key=lambda kv: kv[0])):
-                var.assign(handle.wait())
+                var.assign(np.reshape(handle.wait(), var.shape))
         self._step_synced = True
         self._store.mark_synced(k for k, _ in self._store.unsynced())
 
@@ -260,7 +260,8 @@ class Estimator:
                 for j, var in enumerate(keras_metrics[name].variables):
                     value = var.numpy()
                     if np.issubdtype(value.dtype, np.number):
-                        var.assign(strategy.reducer.allreduce(f"hostreduce.eval.m{i}.{j}", value, op="sum"))
+                        total = strategy.reducer.allreduce(f"hostreduce.eval.m{i}.{j}", value, op="sum")
+                        var.assign(np.reshape(total, value.shape))
         count = max(sums[-1], 1.0)
         results = {n.split("/", 1)[-1]: float(sums[k] / count) for k, n in enumerate(names)}
         for name, metric in keras_metrics.items():

@@ -58,7 +58,7 @@ class RunConfig:
             object.__setattr__(self, "timeline_dir", str(self.timeline_dir))
         for name in ("train_distribute", "eval_distribute"):
             value = getattr(self, name)
-            if value is not None and not hasattr(value, "reducer"):
+            if value is not None and not hasattr(type(value), "reducer"):
                 raise ConfigError(
                     f"`{name}` must be a hostreduce strategy (MultiWorkerStrategy, HorovodStrategy) or None. "
                     f"Received: {name}={value!r}"

@@ -8,7 +8,7 @@ from ..errors import ConfigError
 
 __all__ = ["TrainSpec", "EvalSpec", "train_and_evaluate"]
 
-logger = logging.getLogger("hostreduce")
+logger = logging.getLogger("hostreduce.estimator")
 
 
 class TrainSpec(NamedTuple):

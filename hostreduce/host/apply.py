@@ -7,6 +7,12 @@ Keras 3 builds SGD and Adam updates from several element-wise ops per variable;
 used only for configurations whose math they reproduce (no clipping, weight decay,
 EMA, AMSGrad, gradient accumulation, loss scaling or constraints); anything else goes
 through ``optimizer.apply_gradients``.
+
+Weights match Keras to float32 rounding (relative error ~3e-7). One difference is
+inherent to the Adam kernel: it forms ``1 - beta_2`` in float32, and
+``1 - float32(0.999) = 0.00099998713`` where Keras uses 0.001, so the second-moment
+slot differs by ~1.3e-5 relative (an Adam with beta_2 = float32(0.999)). Pass
+``RunConfig(fused_apply=False)`` for Keras's own arithmetic.
 """
 from __future__ import annotations
 

@@ -84,10 +84,11 @@ class HostCallExchange:
         timeline = self._timeline
         if timeline.enabled:
             label = self.labels[index]
-            timeline.span(f"hand-off {label}", start, submitted, "handoff", HANDOFF_ROW, {"bytes": buffer.nbytes})
+            timeline.span(f"hand-off {label}", start, submitted, "handoff", HANDOFF_ROW, {"bytes": buffer.nbytes, "index": index})
             row = timeline.reduce_row(label)
             handle.add_done_callback(
-                lambda _h, s=submitted, r=row, n=label: timeline.span(f"allreduce {n}", s, now_us(), "reduce", r)
+                lambda _h, s=submitted, r=row, n=label: timeline.span(f"allreduce {n}", s, now_us(), "reduce", r,
+                                                                    {"index": index})
             )
 
     def wait(self, timeout: float | None = None) -> list[np.ndarray]:

@@ -85,7 +85,7 @@ def mlp_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
 
 def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | None = None,
                   save_every: int | None = None, kill_at: int | None = None, global_batch: int = GLOBAL_BATCH,
-                  timeline_dir: str | None = None, depth: int = 2) -> dict[str, np.ndarray]:
+                  timeline_dir: str | None = None, depth: int = 2, n: int = 512) -> dict[str, np.ndarray]:
     """Train ``steps`` steps; return every variable. ``kill_at`` ends the process hard
     right after that step (after its checkpoint, if one is due)."""
     import keras
@@ -96,7 +96,8 @@ def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | No
     config = RunConfig(train_distribute=strategy, model_dir=model_dir, save_checkpoints_steps=save_every,
                        log_step_count_steps=None, timeline_dir=timeline_dir)
     est = Estimator(mlp_model_fn, config=config, params={"optimizer": optimizer, "depth": depth})
-    hooks = []
+    ran = []
+    hooks = [lambda step, loss: ran.append(step)]
     if kill_at is not None:
         def die(step: int, loss: float) -> None:
             if step == kill_at:
@@ -104,27 +105,58 @@ def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | No
                     est._save()
                 os._exit(17)
         hooks.append(die)
-    est.train(make_input_fn(global_batch), max_steps=steps, hooks=hooks)
+    est.train(make_input_fn(global_batch, n), max_steps=steps, hooks=hooks)
     weights = est.get_variables()
     metrics = est.evaluate(make_input_fn(global_batch, repeat=False), steps=4)
     weights["__eval_loss__"] = np.array(metrics["loss"])
+    weights["__steps_run__"] = np.array(len(ran))
     est.close()
     return weights
 
 
-def ring_rank(rank: int, world_size: int, optimizer: str, steps: int) -> dict[str, np.ndarray]:
+def ring_rank(rank: int, world_size: int, optimizers: list[str], steps: int) -> dict[str, dict[str, np.ndarray]]:
     """Entry point for ``run_ranks``: MultiWorkerStrategy over the ring (TF_CONFIG)."""
     from hostreduce.strategies import MultiWorkerStrategy
 
-    return train_weights(MultiWorkerStrategy(), optimizer, steps)
+    return {opt: train_weights(MultiWorkerStrategy(), opt, steps) for opt in optimizers}
 
 
-if __name__ == "__main__":  # under mpirun: python common.py OPTIMIZER STEPS OUT_DIR
+def save_result(path: str, result: dict[str, np.ndarray]) -> None:
+    np.savez(path, **{k.replace("/", ":"): v for k, v in result.items()})
+
+
+def load_result(path: str) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {k.replace(":", "/"): data[k] for k in data.files}
+
+
+if __name__ == "__main__":  # under mpirun: python common.py OPT[,OPT] STEPS OUT_DIR
     from hostreduce.strategies import HorovodStrategy
 
-    opt, n_steps, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    strategy = HorovodStrategy()
-    result = train_weights(strategy, opt, n_steps)
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **{k.replace("/", "__"): v for k, v in result.items()})
-    print(f"OK rank {rank}", flush=True)
+    opts, n_steps, out_dir = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+    for opt in opts:
+        strategy = HorovodStrategy()
+        result = train_weights(strategy, opt, n_steps)
+        save_result(os.path.join(out_dir, f"{opt}-rank{strategy.rank}.npz"), result)
+        print(f"OK {opt} rank {strategy.rank}/{strategy.size} reducer {strategy.reducer_name}", flush=True)
+
+
+def streaming_rank(rank: int, world_size: int, timeline_dir: str, steps: int) -> list[dict]:
+    """Entry point for ``run_ranks``: a deep, wide MLP over the ring with a timeline."""
+    from hostreduce.estimator import Estimator, RunConfig
+    from hostreduce.strategies import MultiWorkerStrategy
+
+    import tensorflow as tf
+
+    x = np.random.default_rng(rank).standard_normal((256, 512)).astype("float32")
+    y = np.zeros(256, "int32")
+
+    def input_fn(mode: str, input_context: Any = None) -> Any:
+        return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+    config = RunConfig(train_distribute=MultiWorkerStrategy(), timeline_dir=timeline_dir, log_step_count_steps=None)
+    est = Estimator(mlp_model_fn, config=config, params={"depth": 8, "width": 512, "optimizer": "sgd"})
+    est.train(input_fn, steps=steps)
+    events = est._timeline.events()
+    est.close()
+    return events

@@ -50,6 +50,7 @@ def _channel_options(timeout_s: float) -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
+        ("grpc.http2.lookahead_bytes", 16 << 20),
     ]
 
 

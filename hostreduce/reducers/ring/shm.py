@@ -28,6 +28,7 @@ __all__ = ["ShmGroup"]
 
 _DIR = "/dev/shm"
 _ALIGN = 64
+_BLOCK_BYTES = 256 * 1024
 
 
 class _Segment:
@@ -59,6 +60,37 @@ class _Segment:
                 pass
 
 
+class _Waiter:
+    """Backs off from yielding the CPU to short sleeps; gives up on a peer failure or
+    after the timeout, naming the ranks that are late."""
+
+    __slots__ = ("group", "what", "start", "spins")
+
+    def __init__(self, group: "ShmGroup", what: str) -> None:
+        self.group, self.what, self.start, self.spins = group, what, 0.0, 0
+
+    def idle(self, late: Callable[[], list[int]]) -> None:
+        self.spins += 1
+        if self.spins < 64:
+            os.sched_yield()
+            return
+        if self.start == 0.0:
+            self.start = time.monotonic()
+        err = self.group._failed()
+        if err is not None:
+            raise err
+        waited = time.monotonic() - self.start
+        if waited > self.group._timeout:
+            raise PeerLostError(
+                f"Rank {self.group.rank}: ranks {late()} did not reach {self.what} within "
+                f"{self.group._timeout} s (hung or dead)"
+            )
+        if waited < 0.002:
+            os.sched_yield()
+        else:
+            time.sleep(20e-6 if waited < 0.05 else 500e-6)
+
+
 class ShmGroup:
     """Collectives through shared memory among ``size`` ranks of one host."""
 
@@ -70,9 +102,13 @@ class ShmGroup:
         self._failed = failed
         ctl_name = f"hostreduce-{token}-ctl"
         # Rank 0 creates the control segment before announcing the token to peers.
-        self._ctl = _Segment(ctl_name, _ALIGN * size, create=rank == 0) if rank == 0 else None
+        self._ctl = _Segment(ctl_name, _ALIGN * size * 3, create=rank == 0) if rank == 0 else None
         self._counters: np.ndarray | None = None
+        self._copied: np.ndarray | None = None
+        self._reduced: np.ndarray | None = None
         self._seq = 0
+        self._copied_base = 0
+        self._reduced_base = [0] * size
         self._op = 0
         self._cap = [0] * size      # bytes per region of each rank's segment
         self._gen = [0] * size
@@ -81,8 +117,11 @@ class ShmGroup:
     def _ensure_ctl(self) -> np.ndarray:
         if self._counters is None:
             if self._ctl is None:
-                self._ctl = _Segment(f"hostreduce-{self._token}-ctl", _ALIGN * self.size, create=False)
-            self._counters = self._ctl.view(np.dtype(np.int64), 0, self.size * _ALIGN // 8)[:: _ALIGN // 8]
+                self._ctl = _Segment(f"hostreduce-{self._token}-ctl", _ALIGN * self.size * 3, create=False)
+            words = self._ctl.view(np.dtype(np.int64), 0, 3 * self.size * _ALIGN // 8)[:: _ALIGN // 8]
+            self._counters = words[: self.size]
+            self._copied = words[self.size: 2 * self.size]
+            self._reduced = words[2 * self.size:]
         return self._counters
 
     # ------------------------------------------------------------------ sync
@@ -91,32 +130,16 @@ class ShmGroup:
         self._seq += 1
         target = self._seq
         counters[self.rank] = target
-        start = time.monotonic()
-        spins = 0
-        while True:
-            if int(counters.min()) >= target:
-                return
-            spins += 1
-            if spins < 200:
-                os.sched_yield()
-                continue
-            err = self._failed()
-            if err is not None:
-                raise err
-            waited = time.monotonic() - start
-            if waited > self._timeout:
-                late = [r for r in range(self.size) if int(counters[r]) < target]
-                raise PeerLostError(
-                    f"Rank {self.rank}: ranks {late} did not reach shared-memory barrier #{target} within "
-                    f"{self._timeout} s (hung or dead)"
-                )
-            time.sleep(20e-6 if waited < 0.01 else 200e-6)
+        waiter = _Waiter(self, f"shared-memory barrier #{target}")
+        while int(counters.min()) < target:
+            waiter.idle(lambda: [r for r in range(self.size) if int(counters[r]) < target])
 
     # ------------------------------------------------------------------ buffers
     def _prepare(self, needs: Sequence[int]) -> int:
         """Grow segments so that rank j's region holds ``needs[j]`` bytes (every rank
         computes the same growth from the same negotiated sizes). Returns the region
         index this collective uses."""
+        grew = False
         for j, need in enumerate(needs):
             if need > self._cap[j]:
                 cap = max(1 << 16, 1 << (need - 1).bit_length())
@@ -128,6 +151,9 @@ class ShmGroup:
                     old.close()
                 if j == self.rank:
                     self._segs[j] = _Segment(self._name(j), 2 * cap, create=True)
+                grew = True
+        if grew:  # peers attach to new segments only once their owners created them
+            self.barrier()
         region = self._op & 1
         self._op += 1
         return region
@@ -148,29 +174,75 @@ class ShmGroup:
     # ------------------------------------------------------------------ collectives
     def allreduce(self, parts: Sequence[np.ndarray], dtype: np.dtype, n: int, op: ReduceOp,
                   out: np.ndarray) -> None:
-        """Reduce the concatenation of flat ``parts`` (n elements) into flat ``out``."""
+        """Reduce the concatenation of flat ``parts`` (n elements) into flat ``out``.
+
+        Pipelined in cache-sized blocks: every rank copies block b in and bumps its
+        "copied" counter; block b's owner (b mod size) reduces it once every rank has
+        copied it and bumps its "reduced" counter; every rank copies it out once it is
+        reduced. A block stays in cache between the three steps, and no full-buffer
+        barrier separates them.
+        """
         if n == 0:
             return
+        self._ensure_ctl()
+        copied, reduced = self._copied, self._reduced
+        assert copied is not None and reduced is not None
         region = self._prepare([n * dtype.itemsize] * self.size)
-        mine = self._region(self.rank, region, dtype, n)
-        off = 0
+        views = [self._region(j, region, dtype, n) for j in range(self.size)]
+        mine = views[self.rank]
+        block = max(1, _BLOCK_BYTES // dtype.itemsize)
+        nblocks = -(-n // block)
+        size, rank = self.size, self.rank
+        base_c = self._copied_base
+        base_r = self._reduced_base
+        owned = list(range(rank, nblocks, size))
+        # Input pieces as (start, array) for copying block by block.
+        starts, off = [], 0
         for p in parts:
-            mine[off:off + p.size] = p
+            starts.append(off)
             off += p.size
-        self.barrier()
-        bounds = segment_bounds(n, self.size)
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        if hi > lo:
-            acc = mine[lo:hi]
-            for j in range(self.size):
-                if j != self.rank:
-                    reduce_into(acc, self._region(j, region, dtype, n)[lo:hi], op)
-            finalize(acc, op, self.size)
-        self.barrier()
-        for j in range(self.size):
-            a, b = bounds[j], bounds[j + 1]
-            if b > a:
-                out[a:b] = self._region(j, region, dtype, n)[a:b]
+        piece = 0
+        n_in = n_red = n_out = 0
+        waiter = _Waiter(self, "a shared-memory all-reduce step")
+        while n_out < nblocks:
+            progressed = False
+            if n_in < nblocks:
+                lo, hi = n_in * block, min(n, (n_in + 1) * block)
+                while piece < len(parts) and starts[piece] + parts[piece].size <= lo:
+                    piece += 1
+                k = piece
+                while k < len(parts) and starts[k] < hi:
+                    a, b = max(lo, starts[k]), min(hi, starts[k] + parts[k].size)
+                    mine[a:b] = parts[k][a - starts[k]: b - starts[k]]
+                    k += 1
+                n_in += 1
+                copied[rank] = base_c + n_in
+                progressed = True
+            while n_red < len(owned) and int(copied.min()) >= base_c + owned[n_red] + 1:
+                b = owned[n_red]
+                lo, hi = b * block, min(n, (b + 1) * block)
+                acc = mine[lo:hi]
+                for j in range(size):
+                    if j != rank:
+                        reduce_into(acc, views[j][lo:hi], op)
+                finalize(acc, op, size)
+                n_red += 1
+                reduced[rank] = base_r[rank] + n_red
+                progressed = True
+            while n_out < nblocks:
+                owner = n_out % size
+                if int(reduced[owner]) < base_r[owner] + n_out // size + 1:
+                    break
+                lo, hi = n_out * block, min(n, (n_out + 1) * block)
+                out[lo:hi] = views[owner][lo:hi]
+                n_out += 1
+                progressed = True
+            if not progressed:
+                waiter.idle(lambda: sorted({j for j in range(size) if int(copied[j]) < base_c + nblocks}
+                                           | {j for j in range(size) if int(reduced[j]) < base_r[j] + len(range(j, nblocks, size))}))
+        self._copied_base = base_c + nblocks
+        for j in range(size):
+            base_r[j] += len(range(j, nblocks, size))
 
     def allgather(self, part: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
         dtype = part.dtype

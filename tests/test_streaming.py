@@ -1,0 +1,46 @@
+"""Streaming hand-off: gradients reach the reducer while the backward pass still runs,
+last layer first; the timeline records it."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
+import common  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+STEPS = 6
+
+
+def _check_rank(events: list[dict], rank: int) -> None:
+    spans = [e for e in events if e.get("ph") == "X"]
+    backward = [e for e in spans if e["name"] == "backward"]
+    reductions = [e for e in spans if e["cat"] == "reduce" and e["name"].startswith("allreduce")]
+    handoffs = [e for e in spans if e["cat"] == "handoff"]
+    assert len(backward) == STEPS and len(reductions) == STEPS * 18 and len(handoffs) == STEPS * 18
+    assert {e["name"] for e in spans} >= {"forward", "backward", "host apply"}
+    overlapped = 0
+    for bwd in backward[1:]:  # the first step includes start-up work
+        start, end = bwd["ts"], bwd["ts"] + bwd["dur"]
+        this_step = sorted((e for e in reductions if start <= e["ts"] <= end + 1e6), key=lambda e: e["ts"])
+        assert this_step, f"rank {rank}: no reduction for the step at {start}"
+        if this_step[0]["ts"] < end:
+            overlapped += 1
+        # Backward order: the output layer's gradients are handed off before the input layer's.
+        order = [e["args"]["index"] for e in this_step]
+        assert order[0] >= 16 and order.index(0) >= 12, f"rank {rank}: hand-off order {order}"
+    assert overlapped >= len(backward[1:]) - 1, f"rank {rank}: reductions started after the backward pass"
+
+
+def test_reductions_start_during_backward(tmp_path: Path) -> None:
+    from hostreduce.testing import run_ranks
+
+    results = run_ranks(common.streaming_rank, 2, args=(str(tmp_path), STEPS), timeout=150)
+    for rank, events in enumerate(results):
+        _check_rank(events, rank)
+        on_disk = json.loads((tmp_path / f"timeline-rank{rank}.json").read_text())["traceEvents"]
+        assert len(on_disk) == len(events)

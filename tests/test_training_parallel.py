@@ -1,0 +1,71 @@
+"""Data-parallel equivalence: N workers on a global batch B train exactly like one
+process on batch B (the ring under TF_CONFIG, and MPI under mpirun)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
+import common  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+STEPS = 24
+OPTIMIZERS = ["sgd", "adam"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict[str, np.ndarray]]:
+    return {opt: common.train_weights(None, opt, STEPS) for opt in OPTIMIZERS}
+
+
+def _assert_same(expected: dict[str, np.ndarray], got: dict[str, np.ndarray], what: str) -> None:
+    assert sorted(expected) == sorted(got), what
+    for key, want in expected.items():
+        have = got[key]
+        scale = max(float(np.max(np.abs(want))), 1e-12)
+        err = float(np.max(np.abs(have.astype(np.float64) - want))) / scale
+        assert err <= 1e-5, f"{what}: {key} differs, relative error {err:.3g}"
+
+
+def test_ring_two_workers_match_one_process(reference: dict) -> None:
+    from hostreduce.testing import run_ranks
+
+    results = run_ranks(common.ring_rank, 2, args=(OPTIMIZERS, STEPS), timeout=150)
+    for opt in OPTIMIZERS:
+        assert int(results[0][opt]["adam/iteration" if opt == "adam" else "sgd/iteration"]) == STEPS
+        for rank in range(2):
+            _assert_same(reference[opt], results[rank][opt], f"ring rank {rank} ({opt})")
+
+
+def _mpi_skip() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+
+        from hostreduce.reducers._mpi_select import mpirun_for
+
+        mpirun_for("mpi")
+    except Exception as exc:  # noqa: BLE001
+        return f"MPI not available: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_mpi_skip() is not None, reason=_mpi_skip() or "")
+def test_mpi_two_workers_match_one_process(reference: dict, tmp_path: Path) -> None:
+    from mpi_launch import run_mpi
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "HOSTREDUCE_SECRET")}
+    code, out = run_mpi("mpi", 2, str(Path(common.__file__)), ",".join(OPTIMIZERS), str(STEPS), str(tmp_path),
+                        timeout=200, env=env)
+    assert code == 0, out
+    for opt in OPTIMIZERS:
+        for rank in range(2):
+            assert f"OK {opt} rank {rank}/2" in out, out
+            _assert_same(reference[opt], common.load_result(str(tmp_path / f"{opt}-rank{rank}.npz")),
+                         f"mpi rank {rank} ({opt})")

@@ -1,0 +1,9 @@
+"""Train with checkpoints and die hard mid-run: ``resume_worker.py MODEL_DIR KILL_AT STEPS``."""
+import sys
+
+import common
+
+if __name__ == "__main__":
+    model_dir, kill_at, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    common.train_weights(None, "adam", steps, model_dir=model_dir, save_every=4, kill_at=kill_at, n=64)
+    sys.exit("the run was expected to die before finishing")
