@@ -315,7 +315,7 @@ def _first_exception(worker_error: str | None, logs: dict[str, str]) -> str | No
         if found:
             return found[-1].strip()[:300]
     if any("Timeout (" in (t or "") for t in texts):  # faulthandler's watchdog fired
-        return "a worker hung past its watchdog; every thread's stack is in log_tail"
+        return "a worker hung past its watchdog (its threads' stacks end log_tail; --keep-workdir keeps whole logs)"
     return None
 
 
@@ -547,9 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n1 KiB latency (ms): " + ", ".join(
             f"{k} {v:.3f}" for k, v in sorted(result["latency_1KiB_ms"].items())))
     if result["targets"]:
-        print("\ngoals:")
-        for t in result["targets"]:
-            print(f"  [{'met' if t['met'] else 'MISSED'}] {t['what']}: {t['value']} (goal {t['goal']})")
+        missed = [t for t in result["targets"] if not t["met"]]
+        print(f"\ngoals: {len(result['targets']) - len(missed)} of {len(result['targets'])} met"
+              + ("; missed:" if missed else ""))
+        for t in missed:
+            print(f"  {t['what']}: {t['value']} (goal {t['goal']})")
     print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
           f" in {result['environment']['wall_s']} s")
     return 0
@@ -581,7 +583,7 @@ def _run_one(impl: str, n: int, rnd: int, rounds: int, nsizes: int, workroot: Pa
             errors = sorted(workdir.glob("error.*"))
             worker_error = errors[0].read_text()[-3000:] if errors else None
             run_info.update(status="error", error=res.error, worker_error=worker_error,
-                            cause=_first_exception(worker_error, res.logs),
+                            cause=_first_exception(worker_error, _read_logs(workdir)),
                             log_tail={k: v[-3000:] for k, v in res.logs.items() if v.strip()})
     run_info["sizes_done"] = [r["bytes"] for r in rows]
     if rows and not all(r["correct"] for r in rows):
@@ -605,6 +607,16 @@ def _run_one(impl: str, n: int, rnd: int, rounds: int, nsizes: int, workroot: Pa
         msg += f" -- {run_info.get('cause') or run_info.get('error')}"
     print(msg, flush=True)
     return rows
+
+
+def _read_logs(workdir: Path) -> dict[str, str]:
+    out = {}
+    for path in sorted(workdir.glob("log.*")):
+        try:
+            out[path.name] = path.read_text(errors="replace")
+        except OSError:
+            pass
+    return out
 
 
 def _select_rounds(result: dict, all_rows: list[dict]) -> None:

@@ -57,6 +57,8 @@ class Config:
         bind_host: address the ring server listens on; empty means the host part of this
             rank's address in the cluster spec.
         log_level: level of the ``hostreduce`` logger.
+        tune_malloc: raise glibc's malloc thresholds so that per-message buffers are
+            reused instead of page-faulted in afresh (see ``reducers/ring/_malloc.py``).
     """
 
     reducer: str = "ring"
@@ -69,6 +71,7 @@ class Config:
     secret: str | None = dataclasses.field(default=None, repr=False)
     bind_host: str = ""
     log_level: str = "WARNING"
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if self.reducer not in _REDUCERS:

@@ -84,6 +84,9 @@ def many_small_tensors(rank: int, size: int, transport: str) -> list[float]:
             hs = [r.allreduce_async(f"grad/{i}", np.full(37 + i, float(rank + step + i), np.float32), "mean")
                   for i in range(200)]
             sums.append(float(sum(h.wait(60).sum() for h in hs)))
+        stats = r.stats()
+        assert stats["allreduce_tensors"] == 600, stats
+        assert stats["allreduce_buckets"] < 300, f"tensors submitted together were not fused: {stats}"
         return sums
 
 
@@ -137,3 +140,17 @@ def config_disagreement(rank: int, size: int) -> str:
         return "no error"
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+
+
+def fused_across_blocks(rank: int, size: int, transport: str) -> list[str]:
+    """Tensors fused into one bucket whose boundaries fall inside shared-memory blocks."""
+    sizes = [70_001, 3, 150_000, 99_999, 1]
+    with make_reducer(transport) as r:
+        r.barrier()  # all ranks submit the batch while the others are ready, so it fuses
+        hs = [r.allreduce_async(f"f{i}", np.arange(n, dtype=np.float64) * (rank + 1) + i, "sum")
+              for i, n in enumerate(sizes)]
+        outs = [h.wait(60) for h in hs]
+        tri = size * (size + 1) / 2
+        for i, (n, o) in enumerate(zip(sizes, outs)):
+            np.testing.assert_array_equal(o, np.arange(n, dtype=np.float64) * tri + i * size)
+        return [digest(o) for o in outs]

@@ -73,6 +73,14 @@ def test_many_small_tensors_fuse_and_agree(transport):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", [2, 4])
+def test_fused_bucket_with_boundaries_inside_blocks(size, transport):
+    outs = run_ranks(w.fused_across_blocks, size, args=(transport,), timeout=90)
+    assert all(o == outs[0] for o in outs)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 4])
 def test_mismatch_raises_on_every_rank_naming_each_value(size):
     outs = run_ranks(w.mismatch, size, args=("grpc",), timeout=60)

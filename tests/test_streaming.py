@@ -44,3 +44,23 @@ def test_reductions_start_during_backward(tmp_path: Path) -> None:
         _check_rank(events, rank)
         on_disk = json.loads((tmp_path / f"timeline-rank{rank}.json").read_text())["traceEvents"]
         assert len(on_disk) == len(events)
+
+
+def test_timeline_from_env_and_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostreduce.timeline import Timeline, timeline_dir_from_env
+
+    monkeypatch.delenv("HOSTREDUCE_TIMELINE", raising=False)
+    off = Timeline(timeline_dir_from_env(), rank=0)
+    with off.scope("forward", "compute"):
+        pass
+    off.flush()
+    assert not off.enabled and off.events() == [] and off.path is None
+    monkeypatch.setenv("HOSTREDUCE_TIMELINE", str(tmp_path))
+    on = Timeline(timeline_dir_from_env(), rank=3)
+    with on.scope("host apply", "apply"):
+        pass
+    on.span("allreduce w", 1.0, 5.0, "reduce", on.reduce_row("w"))
+    on.flush()
+    events = json.loads((tmp_path / "timeline-rank3.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} == {"host apply", "allreduce w"}
+    assert all(e["pid"] == 3 for e in events)

@@ -239,7 +239,7 @@ class Estimator:
         over all batches of all workers.
         """
         _check_steps("steps", steps)
-        strategy = self.config.eval_distribute or self._strategy
+        strategy = self._strategy
         dataset = self._dataset(input_fn, ModeKeys.EVAL)
         program = self._program(ModeKeys.EVAL, dataset.element_spec)
         keras_metrics = program.keras_metrics()

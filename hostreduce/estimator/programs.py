@@ -95,7 +95,8 @@ class _ProgramBase:
         else:
             function = tf.function(lambda features: fn(features, None), input_signature=[self.signature[0]],
                                    autograph=False)
-        function.get_concrete_function()  # traces model_fn, creates and initializes variables
+        concrete = function.get_concrete_function()  # traces model_fn, creates and initializes variables
+        self.store.adopt(concrete.variables)
         return function
 
     def call(self, features: Any, labels: Any) -> Any:
@@ -136,7 +137,7 @@ class TrainProgram(_ProgramBase):
             labels_by_id = gradient_labels()
         outputs["loss"] = tf.convert_to_tensor(spec.loss)
         if spec.train_op is not None:
-            outputs["train_op"] = spec.train_op
+            outputs["train_op"] = _as_output(spec.train_op)
         if timed:
             outputs["mark_forward"] = self._marker.attach("forward", [outputs["loss"]])
         if spec.host_call is None:
@@ -178,7 +179,7 @@ class TrainProgram(_ProgramBase):
             return tf.constant(0)
 
         function = tf.function(host_step, input_signature=specs, autograph=False)
-        function.get_concrete_function()
+        self.store.adopt(function.get_concrete_function().variables)
         return function
 
     def run(self, features: Any, labels: Any, timeout: float | None = None) -> float:
@@ -218,9 +219,9 @@ class EvalProgram(_ProgramBase):
         for name, metric in (spec.eval_metric_ops or {}).items():
             if _is_keras_metric(metric):
                 continue
-            if isinstance(metric, (tuple, list)):  # TF1 (value, update_op)
-                outputs[f"metric/{name}"] = metric[0]
-                outputs[f"update/{name}"] = metric[1]
+            if isinstance(metric, (tuple, list)):  # TF1 (value, update_op): value after the update
+                with tf.control_dependencies([metric[1]]):
+                    outputs[f"metric/{name}"] = tf.identity(metric[0])
             else:
                 outputs[f"metric/{name}"] = tf.convert_to_tensor(metric)
         return outputs
@@ -245,6 +246,16 @@ class PredictProgram(_ProgramBase):
         with self.store.scope():
             spec = self._call_model_fn(features, labels)
         return spec.predictions
+
+
+def _as_output(value: Any) -> Any:
+    """A tensor that ``tf.function`` can return and that runs ``value`` (an op or tensor)."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.Operation):
+        with tf.control_dependencies([value]):
+            return tf.constant(0)
+    return value
 
 
 def _is_keras_metric(value: Any) -> bool:

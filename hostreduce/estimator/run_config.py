@@ -30,7 +30,6 @@ class RunConfig:
         log_step_count_steps: the chief logs step, loss and examples/s this often.
         timeline_dir: write a Chrome-trace timeline per rank here (default: the
             ``HOSTREDUCE_TIMELINE`` variable; unset writes none).
-        eval_distribute: strategy for ``evaluate``/``predict`` (default: train_distribute).
         collective_timeout_s: longest wait for a step's reductions before failing.
         fused_apply: run Keras SGD/Adam updates in ``host_call`` through fused kernels.
     """
@@ -41,7 +40,6 @@ class RunConfig:
     keep_checkpoint_max: int = 5
     log_step_count_steps: int | None = 100
     timeline_dir: str | None = None
-    eval_distribute: Any = None
     collective_timeout_s: float | None = None
     fused_apply: bool = True
 
@@ -56,13 +54,12 @@ class RunConfig:
             object.__setattr__(self, "model_dir", str(self.model_dir))
         if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
             object.__setattr__(self, "timeline_dir", str(self.timeline_dir))
-        for name in ("train_distribute", "eval_distribute"):
-            value = getattr(self, name)
-            if value is not None and not hasattr(type(value), "reducer"):
-                raise ConfigError(
-                    f"`{name}` must be a hostreduce strategy (MultiWorkerStrategy, HorovodStrategy) or None. "
-                    f"Received: {name}={value!r}"
-                )
+        value = self.train_distribute
+        if value is not None and not hasattr(type(value), "reducer"):
+            raise ConfigError(
+                "`train_distribute` must be a hostreduce strategy (MultiWorkerStrategy, HorovodStrategy) or None. "
+                f"Received: train_distribute={value!r}"
+            )
 
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)

@@ -57,6 +57,23 @@ class VariableStore:
                 return key
         return None
 
+    def adopt(self, variables: Any) -> None:
+        """Track variables created outside :meth:`scope` (e.g. a Keras model built before
+        ``model_fn`` runs) so they are broadcast and checkpointed too."""
+        known = {id(v) for v in self._vars.values()}
+        for variable in variables:
+            variable = getattr(variable, "_value", variable)
+            if id(variable) in known:
+                continue
+            base = "external/" + _canonical(getattr(variable, "name", "Variable"))
+            key, index = base, 0
+            while key in self._vars:
+                index += 1
+                key = f"{base}#{index}"
+            self._vars[key] = variable
+            self._order.append(key)
+            known.add(id(variable))
+
     def unsynced(self) -> list[tuple[str, Any]]:
         """Variables created since the last :meth:`mark_synced` (creation order)."""
         return [(k, self._vars[k]) for k in self._order if k not in self._synced]

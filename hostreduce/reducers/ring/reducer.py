@@ -6,12 +6,14 @@ over the ring (gRPC) or the shared-memory path, and completes the handles.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import queue
 import socket
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +94,7 @@ class RingReducer(Reducer):
         self._barriers = 0
         self._tag = 0
         self._fusion: dict[np.dtype, np.ndarray] = {}
+        self._stats: collections.Counter = collections.Counter()
         self._mesh: Any = None
         self._link: _MeshLink | None = None
         self._current: list[_Pending] = []
@@ -101,6 +104,10 @@ class RingReducer(Reducer):
         if self._rank == 0:
             self._coordinator = Coordinator(self._size, self._config.fusion_threshold_bytes,
                                             self._publish_plan, self._config.timeout_s)
+        if self._size > 1 and self._config.tune_malloc:
+            from ._malloc import tune_malloc
+
+            tune_malloc()
         try:
             if self._size > 1:
                 self._start_mesh()
@@ -110,6 +117,10 @@ class RingReducer(Reducer):
             raise
         self._chunk_elems_cache: dict[int, int] = {}
         self._stop = threading.Event()
+        self._announcements: queue.SimpleQueue = queue.SimpleQueue()
+        self._announce_thread = threading.Thread(target=self._announcer, name=f"hostreduce-announce-{self._rank}",
+                                                 daemon=True)
+        self._announce_thread.start()
         self._executor = threading.Thread(target=self._run, name=f"hostreduce-ring-{self._rank}", daemon=True)
         self._executor.start()
         self._watchdog: threading.Thread | None = None
@@ -205,13 +216,35 @@ class RingReducer(Reducer):
         self._plans.put(items)
 
     def _announce(self, entry: dict) -> None:
-        if self._rank == 0:
-            assert self._coordinator is not None
-            self._coordinator.on_ready(0, [entry])
-        else:
-            from .grpc_mesh import CTL
+        self._announcements.put(entry)
 
-            self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": [entry]}).encode())
+    def _announcer(self) -> None:
+        # Sends everything submitted since the last send in one message, so that tensors
+        # submitted together reach the coordinator together and can be fused.
+        cycle = self._config.cycle_time_ms / 1000.0
+        while True:
+            first = self._announcements.get()
+            if first is None:
+                return
+            if cycle:
+                time.sleep(cycle)
+            entries = [first]
+            while True:
+                try:
+                    nxt = self._announcements.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._announcements.put(None)
+                    break
+                entries.append(nxt)
+            if self._rank == 0:
+                assert self._coordinator is not None
+                self._coordinator.on_ready(0, entries)
+            else:
+                from .grpc_mesh import CTL
+
+                self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": entries}).encode())
 
     def _on_peer_lost(self, peer: int, why: str) -> None:
         self._fail(PeerLostError(f"Rank {self._rank}: {why}"))
@@ -327,7 +360,13 @@ class RingReducer(Reducer):
     def _chunk_elems(self, itemsize: int) -> int:
         return max(1, self._config.chunk_bytes // itemsize)
 
+    def stats(self) -> dict[str, int]:
+        """Counts since start: all-reduced tensors and the fused buckets that carried them."""
+        return dict(self._stats)
+
     def _allreduce(self, entries: list[_Pending]) -> None:
+        self._stats["allreduce_tensors"] += len(entries)
+        self._stats["allreduce_buckets"] += 1
         dtype = entries[0].array.dtype
         op = entries[0].op
         outs = [p.out if p.out is not None else np.empty(p.array.shape, dtype) for p in entries]
@@ -403,6 +442,9 @@ class RingReducer(Reducer):
         for p in pending.values():
             p.handle.set_error(ReducerClosedError(f"Collective {p.handle.name!r} was pending when the reducer closed"))
         self._plans.put(None)
+        announcements = getattr(self, "_announcements", None)
+        if announcements is not None:
+            announcements.put(None)
         executor = getattr(self, "_executor", None)
         if self._mesh is not None:
             self._mesh.close(graceful=graceful)

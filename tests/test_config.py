@@ -1,0 +1,49 @@
+"""The validated config object: precedence, env coercion, rejection of unknown keys."""
+from __future__ import annotations
+
+import pytest
+
+from hostreduce.config import Config
+from hostreduce.errors import ConfigError
+
+
+def test_defaults_are_sane():
+    c = Config.from_env({})
+    assert c.reducer == "ring" and c.transport == "auto" and 0 < c.timeout_s <= 30
+
+
+def test_explicit_argument_beats_environment_beats_default():
+    env = {"HOSTREDUCE_TIMEOUT_S": "7", "HOSTREDUCE_TRANSPORT": "grpc"}
+    c = Config.from_env(env, timeout_s=3.0)
+    assert c.timeout_s == 3.0 and c.transport == "grpc"
+    assert Config.from_env(env, timeout_s=None).timeout_s == 7.0
+
+
+@pytest.mark.parametrize("env,fragment", [
+    ({"HOSTREDUCE_TIMEOUTS": "5"}, "Unknown environment variable HOSTREDUCE_TIMEOUTS"),
+    ({"HOSTREDUCE_TIMEOUT_S": "soon"}, "HOSTREDUCE_TIMEOUT_S='soon'"),
+    ({"HOSTREDUCE_TIMEOUT_S": "-1"}, "timeout_s=-1.0"),
+    ({"HOSTREDUCE_TRANSPORT": "udp"}, "transport='udp'"),
+    ({"HOSTREDUCE_CHUNK_BYTES": "10"}, "chunk_bytes=10"),
+    ({"HOSTREDUCE_TUNE_MALLOC": "maybe"}, "HOSTREDUCE_TUNE_MALLOC='maybe'"),
+])
+def test_bad_environment_names_the_variable_and_value(env, fragment):
+    with pytest.raises(ConfigError) as e:
+        Config.from_env(env)
+    assert fragment in str(e.value)
+
+
+def test_unknown_keys_are_rejected():
+    with pytest.raises(ConfigError, match="Unknown config key"):
+        Config.from_env({}, timeout=3)
+    with pytest.raises(ConfigError, match="Unknown config key"):
+        Config().replace(chunk=3)
+
+
+def test_secret_is_not_shown_in_repr():
+    assert "hunter2" not in repr(Config(secret="hunter2"))
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        Config().timeout_s = 1.0  # type: ignore[misc]
