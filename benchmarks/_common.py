@@ -17,7 +17,6 @@ import platform
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,10 +107,6 @@ def bus_bandwidth_factor(nranks: int) -> float:
     the traffic each rank's link carries in an optimal ring, so that the figure is
     comparable across world sizes and with the hardware's link speed."""
     return 2.0 * (nranks - 1) / nranks if nranks > 1 else 0.0
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
 
 
 # --------------------------------------------------------------------------- processes
