@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -346,13 +347,21 @@ def environment(packages: Sequence[str] = (), extra: Mapping[str, Any] | None = 
     return env
 
 
+_NUMBER_LIST = re.compile(r"\[\s*(-?[0-9][-0-9.eE+]*(?:,\s*-?[0-9][-0-9.eE+]*)*)\s*\]")
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """Write atomically (a reader never sees half a file)."""
+    """Write atomically (a reader never sees half a file), indented for reading but with
+    lists of numbers (raw timings) on one line each."""
+    text = json.dumps(obj, indent=1)
+    text = _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
+        f.write(text + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are meant to be shared
     os.replace(tmp, path)
 
 

@@ -18,7 +18,14 @@ from .reducers import Handle, ReduceOp, Reducer, available_reducers, create_redu
 __version__ = "0.1.0"
 
 # Training API: name -> module that defines it (imported lazily, it needs TensorFlow).
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    **{name: ".estimator" for name in (
+        "Estimator", "EstimatorSpec", "EvalSpec", "InputContext", "ModeKeys", "RunConfig", "TrainSpec",
+        "compute_gradients", "host_train_spec", "train_and_evaluate")},
+    **{name: ".strategies" for name in (
+        "HorovodStrategy", "MultiWorkerStrategy", "SingleProcessStrategy", "Strategy")},
+    "Timeline": ".timeline",
+}
 
 __all__ = [
     "AuthenticationError", "ClusterError", "ClusterSpec", "CollectiveTimeoutError", "Config",

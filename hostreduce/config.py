@@ -56,7 +56,8 @@ class Config:
             the ring when world size > 1.
         bind_host: address the ring server listens on; empty means the host part of this
             rank's address in the cluster spec.
-        log_level: level of the ``hostreduce`` logger.
+        log_level: level of the ``hostreduce`` logger; empty (the default) leaves the
+            logging configuration to the application.
         tune_malloc: raise glibc's malloc thresholds so that per-message buffers are
             reused instead of page-faulted in afresh (see ``reducers/ring/_malloc.py``).
     """
@@ -70,7 +71,7 @@ class Config:
     cycle_time_ms: float = 0.0
     secret: str | None = dataclasses.field(default=None, repr=False)
     bind_host: str = ""
-    log_level: str = "WARNING"
+    log_level: str = ""
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
@@ -92,7 +93,7 @@ class Config:
                 raise ConfigError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ConfigError("`secret` must be a non-empty string or None. Received: an empty or non-string value")
-        if self.log_level.upper() not in _LOG_LEVELS:
+        if self.log_level and self.log_level.upper() not in _LOG_LEVELS:
             raise ConfigError(f"`log_level` must be one of {_LOG_LEVELS}. Received: log_level={self.log_level!r}")
 
     @classmethod

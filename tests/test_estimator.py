@@ -13,7 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import common  # noqa: E402
+import tf_common as common  # noqa: E402
 
 from hostreduce.errors import SpecError  # noqa: E402
 from hostreduce.estimator import (  # noqa: E402

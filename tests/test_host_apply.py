@@ -99,7 +99,7 @@ def test_variables_and_slots_on_host(on_host: bool) -> None:
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tf_workers"))
-    import common
+    import tf_common as common
 
     from hostreduce.estimator import Estimator, RunConfig
     from hostreduce.strategies import SingleProcessStrategy

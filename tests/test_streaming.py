@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import common  # noqa: E402
+import tf_common as common  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-import common  # noqa: E402
+import tf_common as common  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -37,6 +37,7 @@ def test_ring_two_workers_match_one_process(reference: dict) -> None:
     from hostreduce.testing import run_ranks
 
     results = run_ranks(common.ring_rank, 2, args=(OPTIMIZERS, STEPS), timeout=150)
+    assert [r["uneven_steps"] for r in results] == [3, 3]  # workers agree to stop together
     for opt in OPTIMIZERS:
         assert int(results[0][opt]["adam/iteration" if opt == "adam" else "sgd/iteration"]) == STEPS
         for rank in range(2):

@@ -172,6 +172,12 @@ class Estimator:
             steps: train this many more steps (or until the data ends).
             max_steps: train until the global step reaches this value.
             hooks: callables ``hook(global_step, loss)`` run after every step.
+
+        With neither ``steps`` nor ``max_steps``, training runs until the data ends;
+        with several workers they agree every step, so all stop when the first runs
+        out. With ``steps``/``max_steps`` every worker must have enough batches.
+        Training resumes from the latest checkpoint in ``model_dir``. The chief logs
+        progress on the ``hostreduce.estimator`` logger (level INFO).
         """
         _check_steps("steps", steps)
         _check_steps("max_steps", max_steps)

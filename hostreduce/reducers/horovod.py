@@ -150,7 +150,7 @@ class HorovodReducer(Reducer):
         arr = check_array(name, array)
         root = self._check_root(root)
         return self._submit(name, lambda: self._bits_op(arr, lambda t: self._hvd.broadcast(
-            t, root_rank=root, name=_op_name("bc", name))))
+            t, root_rank=root, name=_op_name("bc", name))).reshape(arr.shape))
 
     def allgather_async(self, name: str, array: np.ndarray) -> Handle:
         self._check_open()

@@ -118,6 +118,8 @@ def main() -> None:
         assert got.tobytes() == want.tobytes(), f"broadcast {dtype.name}"
         assert mine.tobytes() == data(rank, dtype, (5, 3), 4).tobytes(), "broadcast modified its input"
         digest.update(got.tobytes())
+    scalar = r.broadcast("bc.scalar", np.array(rank * 2.5), root=root)
+    assert scalar.shape == () and float(scalar) == root * 2.5, f"0-d broadcast: {scalar!r}"
 
     # --- all-gather: first dimension differs per rank (rank 0 contributes none when size > 1).
     for dtype in SUPPORTED_DTYPES:

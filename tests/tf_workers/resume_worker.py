@@ -1,7 +1,7 @@
 """Train with checkpoints and die hard mid-run: ``resume_worker.py MODEL_DIR KILL_AT STEPS``."""
 import sys
 
-import common
+import tf_common as common
 
 if __name__ == "__main__":
     model_dir, kill_at, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

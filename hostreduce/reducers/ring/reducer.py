@@ -72,7 +72,8 @@ class RingReducer(Reducer):
         self._cluster = resolve_cluster() if cluster is None else cluster
         self._config = Config.from_env() if config is None else config
         self._rank, self._size = self._cluster.rank, self._cluster.size
-        logging.getLogger("hostreduce").setLevel(self._config.log_level.upper())
+        if self._config.log_level:
+            logging.getLogger("hostreduce").setLevel(self._config.log_level.upper())
         if self._size > 1:
             if not self._cluster.addresses:
                 raise ConfigError(

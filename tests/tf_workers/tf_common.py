@@ -118,7 +118,23 @@ def ring_rank(rank: int, world_size: int, optimizers: list[str], steps: int) -> 
     """Entry point for ``run_ranks``: MultiWorkerStrategy over the ring (TF_CONFIG)."""
     from hostreduce.strategies import MultiWorkerStrategy
 
-    return {opt: train_weights(MultiWorkerStrategy(), opt, steps) for opt in optimizers}
+    results = {opt: train_weights(MultiWorkerStrategy(), opt, steps) for opt in optimizers}
+    results["uneven_steps"] = uneven_data_steps(MultiWorkerStrategy(), 3 + 2 * rank)
+    return results
+
+
+def uneven_data_steps(strategy: Any, local_batches: int) -> int:
+    """Train until the data ends when workers hold different numbers of batches: every
+    worker must stop after the smallest count."""
+    import tensorflow as tf
+
+    from hostreduce.estimator import Estimator, RunConfig
+
+    x, y = dataset_arrays(local_batches * 8)
+    est = Estimator(mlp_model_fn, config=RunConfig(train_distribute=strategy, log_step_count_steps=None))
+    est.train(lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    est.close()
+    return est.global_step
 
 
 def save_result(path: str, result: dict[str, np.ndarray]) -> None:
@@ -130,7 +146,7 @@ def load_result(path: str) -> dict[str, np.ndarray]:
         return {k.replace(":", "/"): data[k] for k in data.files}
 
 
-if __name__ == "__main__":  # under mpirun: python common.py OPT[,OPT] STEPS OUT_DIR
+if __name__ == "__main__":  # under mpirun: python tf_common.py OPT[,OPT] STEPS OUT_DIR
     from hostreduce.strategies import HorovodStrategy
 
     opts, n_steps, out_dir = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]

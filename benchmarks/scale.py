@@ -1,0 +1,423 @@
+#!/usr/bin/env python
+"""How the ring's bus bandwidth scales with the number of workers on a simulated
+cluster of shaped links, against the bound a ring can reach on those links.
+
+    python benchmarks/scale.py                        # N = 2..8, 16 and 64 MiB, 1 and 10 Gbit/s + loopback (root)
+    python benchmarks/scale.py --quick                # smoke run: N = 2, 1 MiB, 1 Gbit/s + loopback (< 60 s)
+    python benchmarks/scale.py --rates 1gbit --np 2,4,8 --sizes 64M
+    python benchmarks/scale.py --max-load 2.5         # wait (up to 10 min) for a quiet machine first
+
+Every worker runs in its own network namespace behind a bridge (see ``netcluster.py``);
+its link is shaped to the rate B in both directions. For each rate and N the workers
+all-reduce (sum) a float32 buffer of S bytes with hostreduce's ``ring`` reducer over
+gRPC (``transport="grpc"``: the namespaces share one hostname, and "auto" would take
+shared memory). An optimal ring moves 2(N-1)/N * S bytes through each link in each
+direction, so no all-reduce can take less than ``bound = 2(N-1)/N * S / B``; the script
+reports ``bound / time`` (equal to bus bandwidth / B), which should stay flat as N
+grows. The same workers on plain loopback (no shaping, shared CPU only) run beside it:
+their bus bandwidth is what this machine's CPUs allow, the ceiling of any shaped run.
+
+Results go to ``<out>/scale.json`` and ``<out>/scale.png``. Needs root for the
+namespaces; without it only the loopback part runs (and says so).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C  # noqa: E402
+from benchmarks import netcluster as NC  # noqa: E402
+
+DEFAULT_NP = [2, 3, 4, 5, 6, 7, 8]
+DEFAULT_SIZES = [16 * C.MiB, 64 * C.MiB]
+DEFAULT_RATES = ["1gbit", "10gbit"]
+QUICK_SIZES = [1 * C.MiB]
+RING_PORT = 29500
+TARGET_RATIO = 0.85  # bound / time at the largest N, on the 1 Gbit/s links
+TARGET_FLAT = 0.9    # ratio at the largest N over the ratio at N = 2
+
+
+# =========================================================================== worker
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    plan = json.loads(Path(args.plan).read_text())
+    workdir = Path(args.workdir)
+    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
+    rank_hint = args.rank
+    (workdir / f"pid.{rank_hint}").write_text(str(os.getpid()))
+    try:
+        import numpy as np
+        from hostreduce.cluster import resolve_cluster
+        from hostreduce.config import Config
+        from hostreduce.reducers import create_reducer
+
+        t0 = time.perf_counter()
+        reducer = create_reducer("ring", cluster=resolve_cluster(), config=Config.from_env(transport="grpc"))
+        connect_s = time.perf_counter() - t0
+    except BaseException as exc:
+        (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        return 3
+    rank, size = reducer.rank, reducer.size
+    agree = np.zeros(1, np.float64)
+    expected = size * (size + 1) / 2.0
+    with open(workdir / f"rank{rank}.jsonl", "a") as out:
+        out.write(json.dumps({"kind": "hello", "rank": rank, "size": size, "connect_s": round(connect_s, 3)}) + "\n")
+        out.flush()
+        for nbytes in plan["sizes"]:
+            buf = np.empty(nbytes // 4, np.float32)
+            name = f"scale.f32.{buf.size}"
+            buf.fill(rank + 1.0)  # touches every page before timing
+            reducer.allreduce(name, buf, op="sum", out=buf)
+            correct = bool(np.all(buf == expected))
+            buf.fill(0.0)
+            warm = C.time_op(lambda: reducer.allreduce(name, buf, op="sum", out=buf), plan["warmup"])
+            # Every rank runs the same number of repetitions: agree on the slowest estimate.
+            agree[0] = min(warm)
+            reducer.allreduce("scale.agree", agree, op="max", out=agree)
+            reps = plan["reps"] or C.choose_reps(float(agree[0]), plan["target_s"], plan["min_reps"],
+                                                 plan["max_reps"])
+            times = []
+            for _ in range(reps):
+                reducer.barrier()  # each repetition starts together: time one all-reduce, not a pipeline
+                t = time.perf_counter()
+                reducer.allreduce(name, buf, op="sum", out=buf)
+                times.append(time.perf_counter() - t)
+            out.write(json.dumps({"kind": "cell", "rank": rank, "bytes": nbytes, "correct": correct, "reps": reps,
+                                  "warmup_ms": [round(x * 1e3, 3) for x in warm],
+                                  "times_ms": [round(x * 1e3, 3) for x in times]}) + "\n")
+            out.flush()
+            del buf
+    reducer.barrier()
+    reducer.close()
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+# =========================================================================== coordinator
+
+
+def _worker_argv(plan_path: Path, workdir: Path, rank: int) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--plan", str(plan_path),
+            "--workdir", str(workdir), "--rank", str(rank)]
+
+
+def _common_env() -> dict[str, str]:
+    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "HOSTREDUCE_SECRET": secrets.token_hex(16)}
+
+
+def _loopback_job(n: int, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
+    addresses = [f"127.0.0.1:{p}" for p in C.free_ports(n)]
+    common = _common_env()
+    envs = [{**common, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(n)]
+    return C.WorkerJob(f"loopback-np{n}", [_worker_argv(plan_path, workdir, r) for r in range(n)], envs, workdir,
+                       timeout_s)
+
+
+def _cluster_job(cluster: NC.NetCluster, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
+    common = _common_env()
+    envs = [{**common, **cluster.worker_env(r, RING_PORT)} for r in range(cluster.nworkers)]
+    argvs = [cluster.exec_argv(r, _worker_argv(plan_path, workdir, r)) for r in range(cluster.nworkers)]
+    return C.WorkerJob(f"{cluster.rate}-np{cluster.nworkers}", argvs, envs, workdir, timeout_s)
+
+
+def _summarize(network: str, n: int, rate_bps: float | None, goodput_bps: float | None,
+               workdir: Path) -> list[dict]:
+    cells: dict[int, dict[int, dict]] = {}
+    connect = {}
+    for f in workdir.glob("rank*.jsonl"):
+        for rec in C.read_jsonl(f):
+            if rec.get("kind") == "cell":
+                cells.setdefault(rec["bytes"], {})[rec["rank"]] = rec
+            elif rec.get("kind") == "hello":
+                connect[rec["rank"]] = rec["connect_s"]
+    rows = []
+    for nbytes in sorted(cells):
+        per_rank = cells[nbytes]
+        if len(per_rank) != n:
+            continue
+        medians = {r: statistics.median(c["times_ms"]) for r, c in sorted(per_rank.items())}
+        t_ms = max(medians.values())
+        busbw = nbytes / (t_ms * 1e-3) * C.bus_bandwidth_factor(n)
+        row: dict[str, Any] = {
+            "network": network, "np": n, "bytes": nbytes, "size": C.format_size(nbytes),
+            "correct": all(c["correct"] for c in per_rank.values()), "reps": per_rank[0]["reps"],
+            "time_ms": round(t_ms, 3),
+            "min_ms": round(min(min(c["times_ms"]) for c in per_rank.values()), 3),
+            "busbw_GBps": round(busbw / 1e9, 4),
+            "rank_median_ms": {str(r): round(m, 3) for r, m in medians.items()},
+            "rank_times_ms": {str(r): c["times_ms"] for r, c in sorted(per_rank.items())},
+            "connect_s": connect,
+        }
+        if rate_bps:
+            bound_ms = C.bus_bandwidth_factor(n) * nbytes / (rate_bps / 8) * 1e3
+            row.update(link_rate_bps=rate_bps, bound_ms=round(bound_ms, 3),
+                       ratio_to_bound=round(bound_ms / t_ms, 4))
+            if goodput_bps:
+                # Against what one TCP stream achieved on these links (headers cost ~4-5 %).
+                row["ratio_to_tcp_goodput"] = round(busbw * 8 / goodput_bps, 4)
+        rows.append(row)
+    return rows
+
+
+def _wait_for_quiet(max_load: float, max_wait_s: float) -> dict[str, Any]:
+    t0 = time.monotonic()
+    load = os.getloadavg()[0]
+    while load > max_load and time.monotonic() - t0 < max_wait_s:
+        print(f"  1-min load {load:.2f} > {max_load}: waiting ({time.monotonic() - t0:.0f} s so far)", flush=True)
+        time.sleep(15)
+        load = os.getloadavg()[0]
+    return {"max_load": max_load, "waited_s": round(time.monotonic() - t0, 1), "load_1min_at_start": round(load, 2),
+            "quiet": load <= max_load}
+
+
+def _job_timeout(sizes: list[int], n: int, rate_bps: float | None, plan: dict) -> float:
+    # The slowest case (shaped links) bounds each size's repetitions; CPUs add start-up.
+    per_op = [C.bus_bandwidth_factor(n) * s / ((rate_bps or 4e9) / 8) for s in sizes]
+    reps = plan["reps"] or plan["max_reps"]
+    return 60.0 + sum(3.0 * t * (reps + plan["warmup"] + 2) for t in per_op)
+
+
+def _run_cell(network: str, n: int, cluster: NC.NetCluster | None, plan: dict, plan_path: Path,
+              workroot: Path, result: dict) -> list[dict]:
+    workdir = workroot / f"{network}-np{n}"
+    workdir.mkdir()
+    info: dict[str, Any] = {"loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+    rate_bps = cluster.rate_bps if cluster else None
+    goodput = None
+    if cluster is not None:
+        check = cluster.measure_rate(0, 1, seconds=plan["rate_check_s"])
+        info["tcp_check"] = check
+        goodput = check["achieved_bps"]
+    timeout = _job_timeout(plan["sizes"], n, rate_bps, plan)
+    job = (_cluster_job(cluster, plan_path, workdir, timeout) if cluster
+           else _loopback_job(n, plan_path, workdir, timeout))
+    res = C.run_job(job)
+    info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1),
+                loadavg_after=[round(x, 2) for x in os.getloadavg()])
+    if not res.ok:
+        errors = sorted(workdir.glob("error.*"))
+        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
+                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
+    rows = _summarize(network, n, rate_bps, goodput, workdir)
+    for r in rows:
+        r["loadavg_before"], r["loadavg_after"] = info["loadavg_before"], info["loadavg_after"]
+    result["runs"].setdefault(network, {})[str(n)] = info
+    msg = f"  {network:>9} N={n}: {info['status']}, {len(rows)}/{len(plan['sizes'])} sizes, {res.seconds:.1f} s"
+    if cluster is not None:
+        msg += f" (TCP check {info['tcp_check']['achieved_gbps']:.3f} Gbit/s)"
+    if not res.ok:
+        msg += f" -- {res.error}: {(info.get('worker_error') or '').splitlines()[:1]}"
+    print(msg, flush=True)
+    return rows
+
+
+def _targets(rows: list[dict], nps: list[int]) -> list[dict]:
+    checks = []
+    top = max(nps)
+    for network in sorted({r["network"] for r in rows if "ratio_to_bound" in r}):
+        for nbytes in sorted({r["bytes"] for r in rows if r["network"] == network}):
+            by_n = {r["np"]: r for r in rows if r["network"] == network and r["bytes"] == nbytes}
+            if top not in by_n:
+                continue
+            ratio = by_n[top]["ratio_to_bound"]
+            checks.append({"what": f"{network}, {C.format_size(nbytes)}, N={top}: bound / time",
+                           "value": ratio, "goal": f">= {TARGET_RATIO}", "met": ratio >= TARGET_RATIO,
+                           "binding": network == "1gbit"})
+            if min(by_n) < top:
+                flat = round(ratio / by_n[min(by_n)]["ratio_to_bound"], 4)
+                checks.append({"what": f"{network}, {C.format_size(nbytes)}: ratio at N={top} / ratio at "
+                                       f"N={min(by_n)} (flatness)", "value": flat, "goal": f">= {TARGET_FLAT}",
+                               "met": flat >= TARGET_FLAT, "binding": network == "1gbit"})
+    return checks
+
+
+def _print_tables(rows: list[dict], networks: list[str], nps: list[int], sizes: list[int]) -> None:
+    index = {(r["network"], r["np"], r["bytes"]): r for r in rows}
+    for nbytes in sizes:
+        print(f"\nS = {C.format_size(nbytes)}  (time: slowest rank's median, ms; busbw = S/t*2(N-1)/N, GB/s; "
+              "ratio = bound/time, bound = 2(N-1)/N*S/B)")
+        head = f"{'N':>3} " + "".join(
+            f"| {nw + ' time':>13} {'busbw':>7} {'bound':>9} {'ratio':>6} " if nw != "loopback"
+            else f"| {nw + ' time':>13} {'busbw':>7} " for nw in networks)
+        print(head)
+        print("-" * len(head))
+        for n in nps:
+            line = f"{n:>3} "
+            for nw in networks:
+                r = index.get((nw, n, nbytes))
+                width = 39 if nw != "loopback" else 22
+                if r is None:
+                    line += f"| {'-':>{width - 2}} "
+                    continue
+                flag = " " if r["correct"] else "!"
+                line += f"| {r['time_ms']:>13.1f} {r['busbw_GBps']:>7.3f}{flag}"
+                if nw != "loopback":
+                    line += f"{r['bound_ms']:>9.1f} {r['ratio_to_bound']:>6.3f} "
+            print(line)
+
+
+def _plot(path: Path, rows: list[dict], networks: list[str], sizes: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_bw, ax_ratio) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for nw in networks:
+        for nbytes in sizes:
+            pts = sorted((r["np"], r["busbw_GBps"], r.get("ratio_to_bound")) for r in rows
+                         if r["network"] == nw and r["bytes"] == nbytes)
+            if not pts:
+                continue
+            label = f"{nw}, {C.format_size(nbytes)}"
+            ax_bw.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            if nw != "loopback":
+                ax_ratio.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
+    for nw in networks:
+        if nw != "loopback":
+            ax_bw.axhline(NC.parse_rate(nw) / 8 / 1e9, ls="--", lw=0.8, color="gray")
+    ax_bw.set_yscale("log")
+    ax_bw.set_title("ring bus bandwidth (gRPC); dashed: link rate B")
+    ax_bw.set_ylabel("bus bandwidth (GB/s)")
+    ax_ratio.axhline(TARGET_RATIO, ls="--", lw=0.8, color="red", label=f"target {TARGET_RATIO}")
+    ax_ratio.set_ylim(0, 1.05)
+    ax_ratio.set_title("achieved / bound, bound = 2(N-1)/N * S / B")
+    ax_ratio.set_ylabel("bound / time")
+    for ax in (ax_bw, ax_ratio):
+        ax.set_xlabel("workers N")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("All-reduce scaling on a simulated cluster (higher is better)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_list(text: str, conv: Any) -> list[Any]:
+    return [conv(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", default=None, help="comma-separated world sizes, 2..8 (default 2..8; --quick: 2)")
+    p.add_argument("--sizes", default=None, help="comma-separated buffer sizes (default 16M,64M; --quick: 1M)")
+    p.add_argument("--rates", default=None, help="comma-separated link rates (default 1gbit,10gbit; --quick: 1gbit)")
+    p.add_argument("--no-loopback", action="store_true", help="skip the unshaped loopback runs")
+    p.add_argument("--quick", action="store_true", help="smoke run: N=2, 1 MiB, 1 Gbit/s + loopback (< 60 s)")
+    p.add_argument("--reps", type=int, default=None, help="fixed timed repetitions per cell")
+    p.add_argument("--target-s", type=float, default=2.0, help="timed seconds per cell when adapting reps")
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=30)
+    p.add_argument("--max-load", type=float, default=None,
+                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
+    p.add_argument("--max-wait-s", type=float, default=600.0)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--keep-workdir", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+
+    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
+    if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
+        p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
+    try:
+        sizes = sorted(set(_parse_list(args.sizes, C.parse_size))) if args.sizes else (
+            QUICK_SIZES if args.quick else DEFAULT_SIZES)
+        rates = _parse_list(args.rates, str) if args.rates else (["1gbit"] if args.quick else DEFAULT_RATES)
+        for r in rates:
+            NC.parse_rate(r)
+    except (ValueError, NC.NetClusterError) as exc:
+        p.error(str(exc))
+    if any(s % 4 for s in sizes):
+        p.error(f"--sizes must be multiples of 4 bytes (float32). Received: {sizes}")
+    out_dir = Path(args.out)
+    json_path, png_path = out_dir / "scale.json", out_dir / "scale.png"
+
+    usable, why = NC.netns_usable()
+    networks = ([] if args.no_loopback else ["loopback"]) + (rates if usable else [])
+    quiet = _wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    plan = {"sizes": sizes, "reps": args.reps if args.reps is not None else (2 if args.quick else None),
+            "warmup": 1, "target_s": args.target_s, "min_reps": args.min_reps, "max_reps": args.max_reps,
+            "rate_check_s": 0.3 if args.quick else 1.0, "worker_timeout_s": 550.0}
+    result: dict[str, Any] = {
+        "benchmark": "scale",
+        "description": "float32 all-reduce (sum, in place) with hostreduce's ring over gRPC, one worker per "
+                       "network namespace, links shaped to B per direction; time = slowest rank's median",
+        "environment": C.environment(packages=("grpcio",), extra={"load_wait": quiet,
+                                                                  "namespaces_usable": usable,
+                                                                  "namespaces_reason": why}),
+        "settings": {"np": nps, "sizes": sizes, "rates": rates, "networks": networks, "quick": args.quick,
+                     "plan": plan, "transport": "grpc", "bound": "2(N-1)/N * S / B",
+                     "target": {"ratio_to_bound_at_max_np": TARGET_RATIO, "flatness": TARGET_FLAT},
+                     "netcluster": {"subnet": NC.DEFAULT_SUBNET, "shaping": "tbf on both ends of every link, "
+                                    "burst 256kb per Gbit/s, latency 50ms", "mtu": 1500}},
+        "runs": {}, "measurements": [], "targets": [],
+    }
+    if not usable:
+        print(f"network namespaces unavailable ({why}); running the loopback part only", flush=True)
+    print(f"scale benchmark: networks={networks} np={nps} sizes={[C.format_size(s) for s in sizes]} "
+          f"(results -> {json_path})", flush=True)
+    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-scale-"))
+    plan_path = workroot / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    t_start = time.monotonic()
+    rows: list[dict] = []
+    try:
+        for n in nps:
+            for network in networks:
+                if network == "loopback":
+                    rows += _run_cell(network, n, None, plan, plan_path, workroot, result)
+                else:
+                    with NC.NetCluster(n, network) as cluster:
+                        result["settings"]["netcluster"].setdefault("burst", {})[network] = cluster.burst
+                        rows += _run_cell(network, n, cluster, plan, plan_path, workroot, result)
+                result["measurements"] = rows
+                C.write_json(json_path, result)
+    finally:
+        if args.keep_workdir:
+            print(f"worker files kept in {workroot}")
+        else:
+            shutil.rmtree(workroot, ignore_errors=True)
+    result["targets"] = _targets(rows, nps)
+    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["environment"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    C.write_json(json_path, result)
+    if not args.no_plot and rows:
+        _plot(png_path, rows, networks, sizes)
+    _print_tables(rows, networks, nps, sizes)
+    if result["targets"]:
+        print()
+        for t in result["targets"]:
+            print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']})")
+    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
+          f" in {result['environment']['wall_s']} s")
+    failed = [f"{nw} N={n}" for nw, runs in result["runs"].items() for n, info in runs.items()
+              if info["status"] != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The scaling and host-apply benchmarks' smoke modes run end to end and write complete results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import netcluster as NC
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out)], cwd=str(ROOT),
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_scale_quick_writes_every_field(tmp_path: Path) -> None:
+    proc = _run("scale.py", tmp_path, timeout=100)
+    result = json.loads((tmp_path / "scale.json").read_text())
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    for key in ("benchmark", "environment", "settings", "runs", "measurements", "targets"):
+        assert key in result, key
+    assert result["environment"]["loadavg_at_start"] and result["environment"]["loadavg_at_end"]
+    assert result["settings"]["np"] == [2] and result["settings"]["sizes"] == [1 << 20]
+    assert result["settings"]["transport"] == "grpc"
+    usable = NC.netns_usable()[0]
+    networks = ["loopback", "1gbit"] if usable else ["loopback"]
+    assert result["settings"]["networks"] == networks
+    rows = {r["network"]: r for r in result["measurements"]}
+    assert set(rows) == set(networks)
+    for network, row in rows.items():
+        assert result["runs"][network]["2"]["status"] == "ok"
+        assert row["np"] == 2 and row["bytes"] == 1 << 20 and row["correct"]
+        assert row["time_ms"] > 0 and row["busbw_GBps"] > 0 and set(row["rank_times_ms"]) == {"0", "1"}
+        assert row["loadavg_before"] and row["loadavg_after"]
+    if usable:
+        row = rows["1gbit"]
+        # bound = 2(N-1)/N * S / B; at N=2: S / (125 MB/s).
+        assert row["bound_ms"] == pytest.approx((1 << 20) / 125e6 * 1e3, rel=1e-3)
+        assert row["ratio_to_bound"] == pytest.approx(row["bound_ms"] / row["time_ms"], rel=1e-2)
+        assert 0 < row["ratio_to_bound"] <= 1.05  # the shaped link really limits the ring
+        check = result["runs"]["1gbit"]["2"]["tcp_check"]
+        assert 0.5 < check["ratio_to_nominal"] <= 1.02
+        assert any("bound / time" in t["what"] for t in result["targets"])
+    assert "S = 1 MiB" in proc.stdout
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(150)
+def test_host_apply_quick_writes_every_field(tmp_path: Path) -> None:
+    proc = _run("host_apply.py", tmp_path, timeout=130)
+    result = json.loads((tmp_path / "host_apply.json").read_text())
+    assert (tmp_path / "host_apply.png").stat().st_size > 0
+    for key in ("benchmark", "environment", "settings", "copy_bandwidth", "measurements", "targets"):
+        assert key in result, key
+    assert result["environment"]["versions"]["tensorflow"]
+    assert result["environment"]["loadavg_at_start"] and result["environment"]["loadavg_at_end"]
+    assert result["settings"]["tensors"] == {"resnet50": 161, "single": 1}
+    assert result["copy_bandwidth"]["bandwidth_GBps"] > 0
+    cells = {(r["optimizer"], r["layout"], r["impl"]): r for r in result["measurements"]}
+    assert set(cells) == {(o, l, i) for o in ("sgd", "momentum", "adam") for l in ("resnet50", "single")
+                          for i in ("hostreduce", "keras")}
+    for (opt, layout, impl), r in cells.items():
+        assert r["time_ms"] > 0 and r["floor_ms"] > 0 and r["speedup_vs_keras"] > 0
+        assert r["ratio_to_floor"] == pytest.approx(r["time_ms"] / r["floor_ms"], rel=1e-2)
+        assert r["tensors"] == (161 if layout == "resnet50" else 1)
+        assert r["reps"] == len(r["times_ms"]) == 6
+        # Both implementations compute the same step.
+        assert r["max_abs_diff_vs_other_after_one_step"] < 1e-5
+        if impl == "hostreduce":
+            assert r["fused"] is True
+    # The floor scales with the arrays each optimizer touches (3 / 5 / 7 passes).
+    f = {o: cells[(o, "single", "keras")]["floor_ms"] / {"sgd": 3, "momentum": 5, "adam": 7}[o]
+         for o in ("sgd", "momentum", "adam")}
+    assert max(f.values()) < 10 * min(f.values())
+    assert {t["what"] for t in result["targets"]} == {"Adam, 161 tensors: hostreduce / floor",
+                                                      "Adam, 161 tensors: Keras / hostreduce"}
+    assert "speed-up" in proc.stdout
