@@ -432,8 +432,9 @@ def _plot(path: Path, rows: list[dict], impls: list[str], nps: list[int]) -> Non
             if pts:
                 lines[IMPLEMENTATIONS[i]["label"]] = ([p[0] for p in pts], [p[1] for p in pts])
         panels.append((f"N = {n} workers", lines))
-    C.plot_lines(path, panels, xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s)",
-                 title="All-reduce bus bandwidth, one host (higher is better)")
+    # Log y: small-buffer bandwidths sit three orders of magnitude below the large ones.
+    C.plot_lines(path, panels, xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s, log)",
+                 title="All-reduce bus bandwidth, one host (higher is better)", ylog=True)
 
 
 def _parse_list(text: str, conv: Callable[[str], Any]) -> list[Any]:

@@ -7,4 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"   # keep TensorFlow's start-up chatter out of the output
 exec .venv/bin/hostreduce run -np 2 -- .venv/bin/python examples/mnist/train.py --timeline-dir timeline "$@"
