@@ -46,6 +46,8 @@ __all__ = [
     "command_output",
     "write_json",
     "plot_lines",
+    "loadavg",
+    "wait_for_quiet",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -345,6 +347,24 @@ def environment(packages: Sequence[str] = (), extra: Mapping[str, Any] | None = 
     if extra:
         env.update(extra)
     return env
+
+
+def loadavg() -> list[float]:
+    """The 1-, 5- and 15-minute load averages, rounded for the record."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 15.0) -> dict[str, Any]:
+    """Wait (at most ``max_wait_s``) until the 1-minute load average is <= ``max_load``;
+    return what happened, for the result's environment record."""
+    t0 = time.monotonic()
+    load = os.getloadavg()[0]
+    while load > max_load and time.monotonic() - t0 < max_wait_s:
+        print(f"  1-min load {load:.2f} > {max_load}: waiting ({time.monotonic() - t0:.0f} s so far)", flush=True)
+        time.sleep(poll_s)
+        load = os.getloadavg()[0]
+    return {"max_load": max_load, "waited_s": round(time.monotonic() - t0, 1), "load_1min_at_start": round(load, 2),
+            "quiet": load <= max_load}
 
 
 _NUMBER_LIST = re.compile(r"\[\s*(-?[0-9][-0-9.eE+]*(?:,\s*-?[0-9][-0-9.eE+]*)*)\s*\]")

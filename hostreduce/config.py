@@ -58,6 +58,9 @@ class Config:
             rank's address in the cluster spec.
         log_level: level of the ``hostreduce`` logger; empty (the default) leaves the
             logging configuration to the application.
+        single_copy: on the shared-memory path, let each rank read its peers' buffers
+            directly (Linux cross-memory attach; probed at start, with a fallback to
+            copying through shared segments when the system forbids it).
         tune_malloc: raise glibc's malloc thresholds so that per-message buffers are
             reused instead of page-faulted in afresh (see ``reducers/ring/_malloc.py``).
     """
@@ -72,6 +75,7 @@ class Config:
     secret: str | None = dataclasses.field(default=None, repr=False)
     bind_host: str = ""
     log_level: str = ""
+    single_copy: bool = True
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:

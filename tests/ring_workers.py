@@ -16,6 +16,8 @@ from hostreduce.reducers.base import SUPPORTED_DTYPES
 
 
 def make_reducer(transport: str = "auto", **overrides):
+    if transport == "shm-copy":  # the shared-segment path, without single-copy reads
+        transport, overrides = "shm", {"single_copy": False, **overrides}
     config = Config.from_env(transport=transport, **overrides)
     return create_reducer("ring", cluster=resolve_cluster(), config=config)
 
@@ -49,7 +51,8 @@ def allreduce_everything(rank: int, size: int, transport: str) -> dict:
             handles[name] = r.allreduce_async(name, rank_input(rank, dtype, n, salt), op)
         out = {name: h.wait(60) for name, h in handles.items()}
         r.barrier()
-        return {"transport": r.transport,
+        shm = getattr(r, "_shm", None)
+        return {"transport": r.transport, "single_copy": bool(shm and shm.direct_available()),
                 "results": {k: (v.dtype.name, v.tobytes()) for k, v in out.items()},
                 "digests": {k: digest(v) for k, v in out.items()}}
 

@@ -8,7 +8,7 @@ import pytest
 import ring_workers as w
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
 
-TRANSPORTS = ["grpc", "shm"]
+TRANSPORTS = ["grpc", "shm", "shm-copy"]
 SIZES = [1, 2, 4]
 
 
@@ -34,8 +34,13 @@ def numpy_reference(size: int, name: str) -> np.ndarray:
 @pytest.mark.parametrize("size", SIZES)
 def test_allreduce_matches_numpy_bitwise_identical(size, transport):
     outs = run_ranks(w.allreduce_everything, size, args=(transport,), timeout=150)
-    expected_path = "local" if size == 1 else transport
+    expected_path = "local" if size == 1 else transport.split("-")[0]
     assert all(o["transport"] == expected_path for o in outs)
+    # Single-copy reads are probed collectively: every rank takes the same path, and
+    # "shm-copy" never uses them.
+    assert len({o["single_copy"] for o in outs}) == 1
+    if transport != "shm":
+        assert not outs[0]["single_copy"]
     for name in outs[0]["digests"]:
         assert len({o["digests"][name] for o in outs}) == 1, f"{name} differs across ranks"
         dname, raw = outs[0]["results"][name]

@@ -108,7 +108,8 @@ class Estimator:
             return cached[1]
         args = (self.model_fn, self.params, self.config, self._store, element_spec, self._timeline)
         if mode == ModeKeys.TRAIN:
-            program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply)
+            program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply,
+                                   stream_gradients=self.config.stream_gradients)
         elif mode == ModeKeys.EVAL:
             program = EvalProgram(*args)
             for metric in program.keras_metrics().values():

@@ -109,14 +109,17 @@ class TrainProgram(_ProgramBase):
     Args:
         strategy: supplies the reducer and the submission-order requirement.
         fused_apply: route Keras SGD/Adam updates inside ``host_call`` to fused kernels.
+        stream_gradients: start each reduction as its gradient is produced (False:
+            all of them after the backward pass).
     """
 
     mode = ModeKeys.TRAIN
 
-    def __init__(self, *args: Any, strategy: Any, fused_apply: bool = True) -> None:
+    def __init__(self, *args: Any, strategy: Any, fused_apply: bool = True, stream_gradients: bool = True) -> None:
         super().__init__(*args)
         self.strategy = strategy
         self.fused_apply = fused_apply
+        self.stream_gradients = stream_gradients
         self.exchange: HostCallExchange | None = None
         self.host_function: Any = None
         self._host_fn: Callable[..., Any] | None = None
@@ -155,6 +158,7 @@ class TrainProgram(_ProgramBase):
                 "hostreduce.grad", [(tuple(t.shape.as_list()), t.dtype.as_numpy_dtype) for t in tensors],
                 lambda: self.strategy.reducer, ordered=self.strategy.ordered_submission, timeline=self.timeline,
                 labels=[labels_by_id.get(id(t), f"tensor{i}") for i, t in enumerate(tensors)],
+                defer=not self.stream_gradients,
             )
         elif len(self.exchange) != len(tensors):
             raise SpecError(f"`host_call` changed from {len(self.exchange)} to {len(tensors)} tensors between traces")

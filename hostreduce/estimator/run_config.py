@@ -32,6 +32,11 @@ class RunConfig:
             ``HOSTREDUCE_TIMELINE`` variable; unset writes none).
         collective_timeout_s: longest wait for a step's reductions before failing.
         fused_apply: run Keras SGD/Adam updates in ``host_call`` through fused kernels.
+        stream_gradients: hand each gradient to the reducer the moment the backward
+            pass produces it, so reductions overlap the rest of the backward pass
+            (default). False copies the gradients to the host as they come but starts
+            the reductions only after the whole backward pass, all at once: the
+            sequential schedule, useful to measure what the overlap gains.
     """
 
     train_distribute: Any = None
@@ -42,6 +47,7 @@ class RunConfig:
     timeline_dir: str | None = None
     collective_timeout_s: float | None = None
     fused_apply: bool = True
+    stream_gradients: bool = True
 
     def __post_init__(self) -> None:
         _positive_int_or_none("save_checkpoints_steps", self.save_checkpoints_steps)
@@ -54,6 +60,10 @@ class RunConfig:
             object.__setattr__(self, "model_dir", str(self.model_dir))
         if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
             object.__setattr__(self, "timeline_dir", str(self.timeline_dir))
+        if not isinstance(self.stream_gradients, bool):
+            raise ConfigError(
+                f"`stream_gradients` must be a bool. Received: stream_gradients={self.stream_gradients!r}"
+            )
         value = self.train_distribute
         if value is not None and not hasattr(type(value), "reducer"):
             raise ConfigError(

@@ -11,6 +11,10 @@ Engines that negotiate (the ring) accept tensors in any order, so the ops are
 stateless and unordered. Engines that need the same submission order on every rank
 (MPI, Horovod's core ops driven from Python) get ops chained in reverse variable order,
 which is the order a backward pass produces gradients in.
+
+With ``defer=True`` the ops only copy; :meth:`HostCallExchange.wait` then submits every
+reduction at once after the step's device program has finished (the sequential
+schedule: whole backward pass, then reduction, then apply).
 """
 from __future__ import annotations
 
@@ -33,10 +37,13 @@ class HostCallExchange:
         ordered: submit in a fixed order (reverse of ``specs``) on every rank.
         timeline: where hand-off and reduction spans go.
         labels: human-readable name of each tensor (the variable it belongs to).
+        defer: copy each tensor when it is produced, but submit the reductions only
+            in :meth:`wait` (in the fixed reverse order, on every rank alike).
     """
 
     def __init__(self, prefix: str, specs: Sequence[tuple[tuple[int, ...], Any]], reducer: Callable[[], Any],
-                 ordered: bool, timeline: Timeline, labels: Sequence[str] | None = None) -> None:
+                 ordered: bool, timeline: Timeline, labels: Sequence[str] | None = None,
+                 defer: bool = False) -> None:
         self.prefix = prefix
         self.buffers = [np.zeros(shape, dtype) for shape, dtype in specs]
         self.names = [f"{prefix}/{i}" for i in range(len(self.buffers))]
@@ -44,6 +51,8 @@ class HostCallExchange:
         self._reducer = reducer
         self._ordered = ordered
         self._timeline = timeline
+        self.defer = defer
+        self._copied = [False] * len(self.buffers)
         self._handles: list[Any] = [None] * len(self.buffers)
         self.submit_times_us: list[float] = [0.0] * len(self.buffers)
 
@@ -76,15 +85,26 @@ class HostCallExchange:
         start = now_us()
         buffer = self.buffers[index]
         np.copyto(buffer, value.reshape(buffer.shape), casting="same_kind")
-        name = self.names[index]
-        handle = self._reducer().allreduce_async(name, buffer, op="mean", out=buffer)
+        if self.defer:
+            self._copied[index] = True
+            if self._timeline.enabled:
+                self._timeline.span(f"hand-off {self.labels[index]}", start, now_us(), "handoff", HANDOFF_ROW,
+                                    {"bytes": buffer.nbytes, "index": index})
+            return
+        self._start_reduction(index, start)
+
+    def _start_reduction(self, index: int, handoff_start: float | None) -> None:
+        buffer = self.buffers[index]
+        handle = self._reducer().allreduce_async(self.names[index], buffer, op="mean", out=buffer)
         submitted = now_us()
         self.submit_times_us[index] = submitted
         self._handles[index] = handle
         timeline = self._timeline
         if timeline.enabled:
             label = self.labels[index]
-            timeline.span(f"hand-off {label}", start, submitted, "handoff", HANDOFF_ROW, {"bytes": buffer.nbytes, "index": index})
+            if handoff_start is not None:
+                timeline.span(f"hand-off {label}", handoff_start, submitted, "handoff", HANDOFF_ROW,
+                              {"bytes": buffer.nbytes, "index": index})
             row = timeline.reduce_row(label)
             handle.add_done_callback(
                 lambda _h, s=submitted, r=row, n=label: timeline.span(f"allreduce {n}", s, now_us(), "reduce", r,
@@ -93,6 +113,12 @@ class HostCallExchange:
 
     def wait(self, timeout: float | None = None) -> list[np.ndarray]:
         """Block until every reduction of this step is done; return the buffers."""
+        if self.defer:
+            for i in range(len(self.buffers) - 1, -1, -1):
+                if not self._copied[i]:
+                    raise RuntimeError(f"host_call tensor {self.labels[i]!r} was never handed to the host")
+                self._start_reduction(i, None)
+            self._copied = [False] * len(self.buffers)
         for i, handle in enumerate(self._handles):
             if handle is None:
                 raise RuntimeError(f"host_call tensor {self.labels[i]!r} was never handed to the host")

@@ -49,6 +49,10 @@ def _channel_options(timeout_s: float) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", int(max(1.0, timeout_s) * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # Accept the peer's keepalive pings on idle connections instead of closing the
+        # connection with "too many pings" (peers may exchange no data for a long time).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+        ("grpc.http2.max_ping_strikes", 0),
         ("grpc.enable_retries", 0),
         ("grpc.http2.lookahead_bytes", 16 << 20),
     ]

@@ -165,7 +165,8 @@ class RingReducer(Reducer):
         if self.transport == "shm":
             from .shm import ShmGroup
 
-            self._shm = ShmGroup(self._rank, self._size, welcome["token"], cfg.timeout_s, lambda: self._error)
+            self._shm = ShmGroup(self._rank, self._size, welcome["token"], cfg.timeout_s, lambda: self._error,
+                                 use_cma=cfg.single_copy)
         nxt, prev = (self._rank + 1) % self._size, (self._rank - 1) % self._size
         self._link = _MeshLink(self._mesh, nxt, prev, cfg.timeout_s)
         log.info("rank %d/%d: ring up, data path %s", self._rank, self._size, self.transport)
@@ -377,7 +378,7 @@ class RingReducer(Reducer):
             work = outs[0].reshape(-1)
         else:
             work = self._fusion_buffer(dtype, n)
-        if self._shm is not None:
+        if self._shm is not None and not self._shm.direct_available():
             self._shm.allreduce(flats_in, dtype, n, op, work)
         else:
             off = 0
@@ -385,7 +386,11 @@ class RingReducer(Reducer):
                 if work[off:off + f.size].__array_interface__["data"][0] != f.__array_interface__["data"][0]:
                     work[off:off + f.size] = f
                 off += f.size
-            algorithm.ring_allreduce(work, self._rank, self._size, self._link, op, self._chunk_elems(dtype.itemsize), self._tag)
+            if self._shm is not None:
+                self._shm.allreduce_direct(work, op)
+            else:
+                algorithm.ring_allreduce(work, self._rank, self._size, self._link, op,
+                                         self._chunk_elems(dtype.itemsize), self._tag)
         if len(entries) > 1:
             off = 0
             for o in outs:

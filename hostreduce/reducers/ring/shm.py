@@ -94,18 +94,25 @@ class _Waiter:
 class ShmGroup:
     """Collectives through shared memory among ``size`` ranks of one host."""
 
+    # One 64-byte line per rank for each of these control words.
+    _FIELDS = ("barrier", "copied", "reduced", "pid", "addr", "cma_ok", "done")
+
     def __init__(self, rank: int, size: int, token: str, timeout_s: float,
-                 failed: Callable[[], BaseException | None]) -> None:
+                 failed: Callable[[], BaseException | None], use_cma: bool = True) -> None:
         self.rank, self.size = rank, size
         self._token = token
         self._timeout = timeout_s
         self._failed = failed
         ctl_name = f"hostreduce-{token}-ctl"
         # Rank 0 creates the control segment before announcing the token to peers.
-        self._ctl = _Segment(ctl_name, _ALIGN * size * 3, create=rank == 0) if rank == 0 else None
+        self._ctl = _Segment(ctl_name, self._ctl_bytes(), create=True) if rank == 0 else None
         self._counters: np.ndarray | None = None
         self._copied: np.ndarray | None = None
         self._reduced: np.ndarray | None = None
+        self._words: dict[str, np.ndarray] = {}
+        self._direct: bool | None = None if use_cma else False
+        self._direct_ops = 0
+        self._probe = np.full(8, 0x5EED0000 + rank, np.int64)
         self._seq = 0
         self._copied_base = 0
         self._reduced_base = [0] * size
@@ -114,15 +121,113 @@ class ShmGroup:
         self._gen = [0] * size
         self._segs: list[_Segment | None] = [None] * size
 
+    def _ctl_bytes(self) -> int:
+        return _ALIGN * self.size * len(self._FIELDS)
+
     def _ensure_ctl(self) -> np.ndarray:
         if self._counters is None:
             if self._ctl is None:
-                self._ctl = _Segment(f"hostreduce-{self._token}-ctl", _ALIGN * self.size * 3, create=False)
-            words = self._ctl.view(np.dtype(np.int64), 0, 3 * self.size * _ALIGN // 8)[:: _ALIGN // 8]
-            self._counters = words[: self.size]
-            self._copied = words[self.size: 2 * self.size]
-            self._reduced = words[2 * self.size:]
+                self._ctl = _Segment(f"hostreduce-{self._token}-ctl", self._ctl_bytes(), create=False)
+            words = self._ctl.view(np.dtype(np.int64), 0, self._ctl_bytes() // 8)[:: _ALIGN // 8]
+            for i, field in enumerate(self._FIELDS):
+                self._words[field] = words[i * self.size: (i + 1) * self.size]
+            self._counters = self._words["barrier"]
+            self._copied = self._words["copied"]
+            self._reduced = self._words["reduced"]
         return self._counters
+
+    # ------------------------------------------------------------------ single-copy path
+    def direct_available(self) -> bool:
+        """Whether every rank can read every peer's memory (probed once, collectively)."""
+        if self._direct is None:
+            from . import _cma
+
+            self._ensure_ctl()
+            w = self._words
+            ok = _cma.available()
+            if ok:
+                _cma.allow_peers()
+            w["pid"][self.rank] = os.getpid()
+            w["addr"][self.rank] = self._probe.ctypes.data
+            self.barrier()
+            if ok:
+                got = np.zeros(8, np.int64)
+                for j in range(self.size):
+                    if j == self.rank:
+                        continue
+                    try:
+                        _cma.read_into(int(w["pid"][j]), int(w["addr"][j]), got)
+                    except OSError:
+                        ok = False
+                        break
+                    if int(got[0]) != 0x5EED0000 + j:
+                        ok = False
+                        break
+            w["cma_ok"][self.rank] = 1 if ok else 2
+            self.barrier()
+            self._direct = all(int(v) == 1 for v in w["cma_ok"])
+            self._pids = [int(p) for p in w["pid"]]
+        return bool(self._direct)
+
+    def allreduce_direct(self, buf: np.ndarray, op: ReduceOp) -> None:
+        """All-reduce the private flat array ``buf`` in place, reading peers' buffers
+        directly (no shared segment): rank r reduces slice r from every peer's buffer,
+        then copies every other slice from its owner. Three counter waits per call."""
+        from . import _cma
+
+        n = buf.size
+        if n == 0:
+            return
+        w = self._words
+        size, rank = self.size, self.rank
+        self._direct_ops += 1
+        seq = self._direct_ops
+        w["addr"][rank] = buf.ctypes.data
+        target_c = self._copied_base + 1
+        w["copied"][rank] = target_c
+        bounds = segment_bounds(n, size)
+        waiter = _Waiter(self, "a direct all-reduce (buffers published)")
+        while int(w["copied"].min()) < target_c:
+            waiter.idle(lambda: [j for j in range(size) if int(w["copied"][j]) < target_c])
+        addrs = [int(a) for a in w["addr"]]
+        item = buf.dtype.itemsize
+        lo, hi = bounds[rank], bounds[rank + 1]
+        block = max(1, _BLOCK_BYTES // item)
+        tmp = self._scratch(buf.dtype, min(block, max(hi - lo, 1)))
+        try:
+            for a in range(lo, hi, block):
+                b = min(hi, a + block)
+                acc = buf[a:b]
+                t = tmp[: b - a]
+                for j in range(size):
+                    if j != rank:
+                        _cma.read_into(self._pids[j], addrs[j] + a * item, t)
+                        reduce_into(acc, t, op)
+                finalize(acc, op, size)
+            w["reduced"][rank] = self._reduced_base[rank] + 1
+            for k in range(1, size):
+                j = (rank + k) % size
+                target_r = self._reduced_base[j] + 1
+                waiter = _Waiter(self, f"rank {j}'s reduced slice")
+                while int(w["reduced"][j]) < target_r:
+                    waiter.idle(lambda: [j])
+                a, b = bounds[j], bounds[j + 1]
+                _cma.read_into(self._pids[j], addrs[j] + a * item, buf[a:b])
+        except OSError as e:
+            raise PeerLostError(f"Rank {rank}: reading a peer's buffer failed ({e}); the peer has probably exited") from None
+        self._copied_base += 1
+        for j in range(size):
+            self._reduced_base[j] += 1
+        w["done"][rank] = seq
+        waiter = _Waiter(self, "the end of a direct all-reduce")
+        while int(w["done"].min()) < seq:  # peers may still be reading our slice
+            waiter.idle(lambda: [j for j in range(size) if int(w["done"][j]) < seq])
+
+    def _scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
+        buf = getattr(self, "_tmp", None)
+        if buf is None or buf.nbytes < count * dtype.itemsize:
+            buf = self._tmp = np.empty(max(count * dtype.itemsize, _BLOCK_BYTES), np.uint8)
+        return buf[: count * dtype.itemsize].view(dtype)
 
     # ------------------------------------------------------------------ sync
     def barrier(self) -> None:
