@@ -157,3 +157,32 @@ def fused_across_blocks(rank: int, size: int, transport: str) -> list[str]:
         for i, (n, o) in enumerate(zip(sizes, outs)):
             np.testing.assert_array_equal(o, np.arange(n, dtype=np.float64) * tri + i * size)
         return [digest(o) for o in outs]
+
+
+def intruders_are_refused(rank: int, size: int) -> dict:
+    """A process without the secret is refused; nothing listens beyond the spec's address."""
+    import socket
+
+    import grpc
+
+    with make_reducer("grpc") as r:
+        peer = r._cluster.addresses[(rank + 1) % size]
+        host, port = peer.rsplit(":", 1)
+        channel = grpc.insecure_channel(peer)
+        stream = channel.stream_unary("/hostreduce.Peer/Stream")
+        frames = iter([b"\x01" + bytes(8) + b"forged data"])
+        try:
+            stream(frames, metadata=(("hr-rank", str(rank)), ("hr-nonce", "00"), ("hr-proof", "forged")), timeout=10)
+            refused = "accepted"
+        except grpc.RpcError as e:
+            refused = e.code().name
+        channel.close()
+        other_loopback = None
+        try:
+            socket.create_connection(("127.0.0.2", int(port)), timeout=5).close()
+            other_loopback = "connected"
+        except OSError as e:
+            other_loopback = type(e).__name__
+        ok = r.allreduce("still-works", np.ones(4, np.float32))
+        r.barrier()
+        return {"refused": refused, "other_loopback": other_loopback, "ok": bool(np.all(ok == size))}

@@ -115,6 +115,15 @@ def test_wrong_secret_is_refused_on_both_sides():
 
 
 @pytest.mark.timeout(60)
+def test_connections_without_the_secret_are_refused_and_listening_is_narrow():
+    outs = run_ranks(w.intruders_are_refused, 2, timeout=45)
+    for o in outs:
+        assert o["refused"] == "UNAUTHENTICATED"
+        assert o["other_loopback"] == "ConnectionRefusedError"
+        assert o["ok"]
+
+
+@pytest.mark.timeout(60)
 def test_config_disagreement_is_reported_on_every_rank():
     outs = run_ranks_allow_failure(w.config_disagreement, 2, timeout=45)
     for o in outs:

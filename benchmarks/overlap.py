@@ -1,0 +1,653 @@
+#!/usr/bin/env python
+"""How much of the gradient all-reduce hostreduce hides behind the backward pass.
+
+    python benchmarks/overlap.py                    # N = 2, 4; loopback, 1 and 10 Gbit/s links (~6 min)
+    python benchmarks/overlap.py --quick            # smoke run: N = 2, loopback + 1 Gbit/s, small batch (< 90 s)
+    python benchmarks/overlap.py --np 4 --networks 1gbit --max-load 2.5
+
+One model (an MLP of 9 dense layers, 4.5M parameters, 17.3 MiB of float32 gradients in
+18 tensors), the same synthetic data and global batch, trained by the Estimator with
+hostreduce's ring in two schedules, in the same worker processes, alternating:
+
+* sequential: ``RunConfig(stream_gradients=False)``: the whole backward pass, then the
+  all-reduce of every gradient at once (fused by the ring), then the host apply;
+* streamed: hostreduce's default: each gradient is handed to the reducer as the backward
+  pass produces it, so the reductions of the last layers overlap the backward pass of
+  the first ones.
+
+For each N and network the workers also time the all-reduce of the full gradient set
+alone (no compute): ``T_reduction``. With ``T_compute`` = the sequential step minus its
+reduction phase (forward + backward + hand-off + apply):
+
+* hidden fraction = (T_sequential - T_streamed) / T_reduction (1: fully hidden);
+* T_streamed / max(T_compute, T_reduction) (1: perfect overlap).
+
+Networks: ``loopback`` (all workers on this host, the ring's default data path: shared
+memory) and simulated clusters (``netcluster.py``: one network namespace per worker,
+links shaped to the rate in both directions; gRPC data path). Every rank writes a
+timeline (``RunConfig(timeline_dir=...)``); the script draws one step of each schedule
+per rank on a time axis (``overlap.timeline.<network>-np<N>.png``; the 1 Gbit/s one is
+also ``overlap.timeline.png``) and the step times against the link rate
+(``overlap.png``). Results: ``<out>/overlap.json``.
+
+On a machine with few cores, N workers share them: the ring's host-side work (socket
+I/O, summing) competes with the backward pass for CPU, which bounds the overlap; the
+JSON records the load average around every run.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C  # noqa: E402
+from benchmarks import netcluster as NC  # noqa: E402
+
+MODES = ("sequential", "streamed")
+DEFAULT_NP = [2, 4]
+DEFAULT_NETWORKS = ["loopback", "1gbit", "10gbit"]
+RING_PORT = 29500
+INPUT_DIM, HIDDEN, LAYERS, CLASSES = 512, 768, 8, 10
+TARGET_HIDDEN = 0.8      # at 1 Gbit/s, N = 2 and 4
+TARGET_RATIO = 1.15      # T_streamed / max(T_compute, T_reduction)
+
+
+# =========================================================================== worker
+
+
+def _model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
+    import keras
+    import tensorflow as tf
+
+    from hostreduce.estimator import EstimatorSpec, compute_gradients
+
+    layers = [keras.layers.Dense(params["hidden"], activation="relu", name=f"dense{i}")
+              for i in range(params["layers"])]
+    model = keras.Sequential(layers + [keras.layers.Dense(params["classes"], name="logits")])
+    logits = model(features)
+    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    optimizer = keras.optimizers.Adam(1e-4)
+    grads = compute_gradients(loss, model.trainable_variables)
+
+    def host_apply(*reduced: Any) -> None:
+        optimizer.apply_gradients(zip(reduced, model.trainable_variables))
+
+    return EstimatorSpec(mode, loss=loss, train_op=tf.identity(loss), host_call=(host_apply, grads))
+
+
+def _input_fn(plan: dict) -> Any:
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    batches = 4
+    x = rng.standard_normal((plan["global_batch"] * batches, INPUT_DIM), dtype=np.float32)
+    y = rng.integers(0, CLASSES, plan["global_batch"] * batches).astype(np.int32)
+
+    def input_fn(mode: str, input_context: Any = None) -> Any:
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        batch = plan["global_batch"]
+        if input_context is not None and input_context.num_input_pipelines > 1:
+            ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+            batch = input_context.get_per_replica_batch_size(batch)
+        return ds.repeat().batch(batch, drop_remainder=True).prefetch(2)
+
+    return input_fn
+
+
+def _step_breakdown(path: Path) -> list[dict]:
+    """Per step, from one rank's timeline: the durations (ms) of its spans."""
+    events = json.loads(path.read_text())["traceEvents"]
+    steps: list[dict] = []
+    for e in sorted((e for e in events if e.get("ph") == "X" and e.get("tid") == 0), key=lambda e: e["ts"]):
+        name = e["name"]
+        if name == "forward":
+            steps.append({"start_us": e["ts"]})
+        if not steps:
+            continue
+        key = {"forward": "forward_ms", "backward": "backward_ms", "wait for reductions": "reduce_wait_ms",
+               "host apply": "apply_ms"}.get(name)
+        if key:
+            steps[-1][key] = round(e["dur"] / 1e3, 3)
+            steps[-1]["end_us"] = e["ts"] + e["dur"]
+    return steps
+
+
+def _reduce_alone(reducer: Any, shapes: list[tuple[int, ...]], reps: int) -> list[float]:
+    """Time the all-reduce of the full gradient set, every tensor submitted at once."""
+    import numpy as np
+
+    bufs = [np.ones(s, np.float32) for s in shapes]
+    names = [f"overlap.alone/{i}" for i in range(len(bufs))]
+
+    def once() -> float:
+        reducer.barrier()
+        t0 = time.perf_counter()
+        handles = [reducer.allreduce_async(names[i], bufs[i], op="mean", out=bufs[i])
+                   for i in range(len(bufs) - 1, -1, -1)]
+        for h in handles:
+            h.wait()
+        return time.perf_counter() - t0
+
+    once()  # warm-up: buffers, fusion, connections
+    return [once() for _ in range(reps)]
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    plan = json.loads(Path(args.plan).read_text())
+    workdir = Path(args.workdir)
+    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
+    rank_hint = args.rank
+    (workdir / f"pid.{rank_hint}").write_text(str(os.getpid()))
+    try:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import keras
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(plan["intra_op_threads"])
+        tf.config.threading.set_inter_op_parallelism_threads(plan["inter_op_threads"])
+        from hostreduce.estimator import Estimator, RunConfig
+        from hostreduce.strategies import MultiWorkerStrategy
+
+        strategy = MultiWorkerStrategy(variables_on_host=True)
+        rank, size = strategy.rank, strategy.size
+        params = {"hidden": HIDDEN, "layers": LAYERS, "classes": CLASSES}
+        estimators = {}
+        for mode in MODES:
+            keras.utils.set_random_seed(1)
+            config = RunConfig(train_distribute=strategy, log_step_count_steps=None,
+                               timeline_dir=str(workdir / f"timeline-{mode}"),
+                               stream_gradients=(mode == "streamed"))
+            estimators[mode] = Estimator(_model_fn, config=config, params=params)
+        input_fn = _input_fn(plan)
+        out = open(workdir / f"rank{rank}.jsonl", "a")
+        out.write(json.dumps({"kind": "hello", "rank": rank, "size": size,
+                              "transport": strategy.reducer.config.transport}) + "\n")
+        out.flush()
+
+        stamps: list[float] = []
+        hook = lambda _step, _loss: stamps.append(time.perf_counter())  # noqa: E731
+        step_ms: dict[str, list[float]] = {m: [] for m in MODES}
+        timed_index: dict[str, list[int]] = {m: [] for m in MODES}
+        done: dict[str, int] = {m: 0 for m in MODES}
+        for mode in MODES:  # warm-up: tracing, buffers, connections
+            estimators[mode].train(input_fn, steps=plan["warmup_steps"], hooks=[hook])
+            done[mode] += plan["warmup_steps"]
+        for rnd in range(plan["rounds"]):
+            order = MODES if rnd % 2 == 0 else MODES[::-1]
+            for mode in order:
+                stamps.clear()
+                strategy.reducer.barrier()
+                estimators[mode].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
+                # The first step of a train() call also builds the input iterator: dropped.
+                step_ms[mode] += [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
+                timed_index[mode] += list(range(done[mode] + 1, done[mode] + plan["steps_per_round"] + 1))
+                done[mode] += plan["steps_per_round"] + 1
+        shapes = [tuple(b.shape) for b in estimators["streamed"]._programs["train"][1].exchange.buffers]
+        alone = _reduce_alone(strategy.reducer, shapes, plan["reduce_reps"])
+        for mode in MODES:
+            estimators[mode]._timeline.flush()
+        for mode in MODES:
+            steps = _step_breakdown(workdir / f"timeline-{mode}" / f"timeline-rank{rank}.json")
+            timed = [steps[i] for i in timed_index[mode] if i < len(steps)]
+            out.write(json.dumps({"kind": "mode", "rank": rank, "mode": mode, "step_ms": step_ms[mode],
+                                  "timed_steps": timed_index[mode], "breakdown": timed}) + "\n")
+        out.write(json.dumps({"kind": "alone", "rank": rank, "bytes": int(sum(4 * _prod(s) for s in shapes)),
+                              "tensors": len(shapes), "reduce_ms": [round(t * 1e3, 3) for t in alone]}) + "\n")
+        out.close()
+        strategy.reducer.barrier()
+        strategy.close()
+    except BaseException as exc:
+        (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        return 3
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# =========================================================================== coordinator
+
+
+def _worker_argv(plan_path: Path, workdir: Path, rank: int) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--plan", str(plan_path),
+            "--workdir", str(workdir), "--rank", str(rank)]
+
+
+def _common_env() -> dict[str, str]:
+    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+            "HOSTREDUCE_SECRET": secrets.token_hex(16)}
+
+
+def _job(network: str, n: int, cluster: NC.NetCluster | None, plan_path: Path, workdir: Path,
+         timeout_s: float) -> C.WorkerJob:
+    common = _common_env()
+    if cluster is None:
+        addresses = [f"127.0.0.1:{p}" for p in C.free_ports(n)]
+        envs = [{**common, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(n)]
+        argvs = [_worker_argv(plan_path, workdir, r) for r in range(n)]
+    else:
+        # The namespaces share one hostname, so "auto" would pick shared memory.
+        envs = [{**common, **cluster.worker_env(r, RING_PORT), "HOSTREDUCE_TRANSPORT": "grpc"} for r in range(n)]
+        argvs = [cluster.exec_argv(r, _worker_argv(plan_path, workdir, r)) for r in range(n)]
+    return C.WorkerJob(f"{network}-np{n}", argvs, envs, workdir, timeout_s)
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> dict | None:
+    modes: dict[str, dict[int, dict]] = {m: {} for m in MODES}
+    alone: dict[int, dict] = {}
+    transport = None
+    for f in workdir.glob("rank*.jsonl"):
+        for rec in C.read_jsonl(f):
+            if rec.get("kind") == "mode":
+                modes[rec["mode"]][rec["rank"]] = rec
+            elif rec.get("kind") == "alone":
+                alone[rec["rank"]] = rec
+            elif rec.get("kind") == "hello":
+                transport = rec.get("transport")
+    if len(alone) != n or any(len(modes[m]) != n for m in MODES):
+        return None
+    row: dict[str, Any] = {"network": network, "np": n, "transport": transport, "link_rate_bps": rate_bps}
+    for mode in MODES:
+        per_rank = modes[mode]
+        # Steps are synchronous across ranks: the slowest rank's median is the step time.
+        step = max(statistics.median(r["step_ms"]) for r in per_rank.values())
+        parts = {}
+        for key in ("forward_ms", "backward_ms", "reduce_wait_ms", "apply_ms"):
+            parts[key] = round(statistics.mean(_median([s.get(key) for s in r["breakdown"]]) or 0.0
+                                               for r in per_rank.values()), 3)
+        row[mode] = {"step_ms": round(step, 3), **parts,
+                     "rank_step_ms": {str(k): v["step_ms"] for k, v in sorted(per_rank.items())}}
+    reps = min(len(a["reduce_ms"]) for a in alone.values())
+    slowest = [max(alone[r]["reduce_ms"][i] for r in alone) for i in range(reps)]
+    t_red = statistics.median(slowest)
+    t_seq, t_str = row["sequential"]["step_ms"], row["streamed"]["step_ms"]
+    t_compute = t_seq - row["sequential"]["reduce_wait_ms"]
+    nbytes = next(iter(alone.values()))["bytes"]
+    row.update(
+        gradient_bytes=nbytes, gradient_tensors=next(iter(alone.values()))["tensors"],
+        reduction_ms=round(t_red, 3), reduction_rep_ms=slowest,
+        compute_ms=round(t_compute, 3),
+        hidden_fraction=round((t_seq - t_str) / t_red, 4),
+        streamed_over_bound=round(t_str / max(t_compute, t_red), 4),
+        sequential_over_streamed=round(t_seq / t_str, 4),
+        backward_slowdown_streamed=round(row["streamed"]["backward_ms"] / max(row["sequential"]["backward_ms"], 1e-9), 4),
+    )
+    if rate_bps:
+        row["reduction_bound_ms"] = round(C.bus_bandwidth_factor(n) * nbytes / (rate_bps / 8) * 1e3, 3)
+    return row
+
+
+def _run_cell(network: str, n: int, cluster: NC.NetCluster | None, plan: dict, plan_path: Path,
+              workroot: Path, result: dict, timeout_s: float) -> dict | None:
+    workdir = workroot / f"{network}-np{n}"
+    workdir.mkdir()
+    info: dict[str, Any] = {"loadavg_before": C.loadavg()}
+    if cluster is not None:
+        info["tcp_check"] = cluster.measure_rate(0, 1, seconds=plan["rate_check_s"])
+    res = C.run_job(_job(network, n, cluster, plan_path, workdir, timeout_s))
+    info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1), loadavg_after=C.loadavg())
+    row = _summarize(network, n, cluster.rate_bps if cluster else None, workdir) if res.ok else None
+    if res.ok and row is None:
+        info.update(status="error", error="workers exited without writing every record")
+    if not res.ok:
+        errors = sorted(workdir.glob("error.*"))
+        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
+                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
+    if row is not None:
+        row["loadavg_before"], row["loadavg_after"] = info["loadavg_before"], info["loadavg_after"]
+        info["timeline"] = _timeline_step(workdir, n)
+    result["runs"].setdefault(network, {})[str(n)] = info
+    msg = f"  {network:>9} N={n}: {info['status']}, {res.seconds:.1f} s, load {info['loadavg_after'][0]}"
+    if cluster is not None:
+        msg += f" (TCP check {info['tcp_check']['achieved_gbps']:.3f} Gbit/s)"
+    if info["status"] != "ok":
+        msg += f" -- {info.get('error')}: {(info.get('worker_error') or '').splitlines()[:1]}"
+    print(msg, flush=True)
+    return row
+
+
+def _timeline_step(workdir: Path, n: int) -> dict:
+    """One timed step of each schedule, every rank's spans relative to its start (ms):
+    the step whose duration on rank 0 is the median of the last round's."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        recs = {}
+        for f in workdir.glob("rank*.jsonl"):
+            for rec in C.read_jsonl(f):
+                if rec.get("kind") == "mode" and rec["mode"] == mode:
+                    recs[rec["rank"]] = rec
+        timed = recs[0]["timed_steps"]
+        spans0 = recs[0]["breakdown"]
+        durations = [(s.get("end_us", s["start_us"]) - s["start_us"], i) for i, s in zip(timed, spans0)]
+        durations.sort()
+        step = durations[len(durations) // 2][1]
+        ranks = {}
+        t0 = None
+        for r in range(n):
+            events = json.loads((workdir / f"timeline-{mode}" / f"timeline-rank{r}.json").read_text())["traceEvents"]
+            fwd = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == "forward")
+            if step >= len(fwd):
+                continue
+            start = fwd[step]
+            end = fwd[step + 1] if step + 1 < len(fwd) else float("inf")
+            spans = [{"name": e["name"], "cat": e.get("cat"), "tid": e.get("tid"), "ts": e["ts"], "dur": e["dur"]}
+                     for e in events if e.get("ph") == "X" and start <= e["ts"] < end]
+            # Reductions started in this step may finish after the next forward began: keep them.
+            ranks[r] = spans
+            t0 = start if t0 is None else min(t0, start)
+        out[mode] = {"step_index": step, "ranks": {
+            str(r): [{"name": s["name"], "cat": s["cat"], "row": _row_of(s),
+                      "start_ms": round((s["ts"] - t0) / 1e3, 3), "dur_ms": round(s["dur"] / 1e3, 3)}
+                     for s in spans] for r, spans in ranks.items()}}
+    return out
+
+
+def _row_of(span: dict) -> str:
+    cat = span.get("cat")
+    if cat == "compute":
+        return "compute"
+    if cat == "handoff":
+        return "hand-off"
+    if cat == "reduce" and span.get("tid", 0) >= 100:
+        return "reduce"
+    if cat == "apply":
+        return "apply"
+    return "wait"
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _print_tables(rows: list[dict]) -> None:
+    print("\nstep = slowest rank's median step (ms); fwd/bwd/wait/apply: median spans from the timeline (ms);"
+          "\nT_red = full gradient set all-reduced alone; T_comp = sequential step minus its reduction phase;"
+          "\nhidden = (T_seq - T_str) / T_red; ratio = T_str / max(T_comp, T_red)")
+    head = (f"{'network':>9} {'N':>2} | {'T_seq':>7} {'fwd':>6} {'bwd':>6} {'wait':>6} {'apply':>5} | "
+            f"{'T_str':>7} {'fwd':>6} {'bwd':>6} {'wait':>6} | {'T_red':>7} {'T_comp':>7} | {'hidden':>6} {'ratio':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        s, t = r["sequential"], r["streamed"]
+        print(f"{r['network']:>9} {r['np']:>2} | {s['step_ms']:>7.1f} {s['forward_ms']:>6.1f} {s['backward_ms']:>6.1f} "
+              f"{s['reduce_wait_ms']:>6.1f} {s['apply_ms']:>5.1f} | {t['step_ms']:>7.1f} {t['forward_ms']:>6.1f} "
+              f"{t['backward_ms']:>6.1f} {t['reduce_wait_ms']:>6.1f} | {r['reduction_ms']:>7.1f} "
+              f"{r['compute_ms']:>7.1f} | {r['hidden_fraction']:>6.3f} {r['streamed_over_bound']:>6.3f}")
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    checks = []
+    for r in rows:
+        if r["network"] != "1gbit":
+            continue
+        checks.append({"what": f"1gbit N={r['np']}: hidden fraction", "value": r["hidden_fraction"],
+                       "goal": f">= {TARGET_HIDDEN}", "met": r["hidden_fraction"] >= TARGET_HIDDEN})
+        checks.append({"what": f"1gbit N={r['np']}: T_streamed / max(T_compute, T_reduction)",
+                       "value": r["streamed_over_bound"], "goal": f"<= {TARGET_RATIO}",
+                       "met": r["streamed_over_bound"] <= TARGET_RATIO})
+    return checks
+
+
+_NET_X = {"loopback": None}
+
+
+def _plot_rates(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    networks = sorted({r["network"] for r in rows}, key=lambda nw: (nw == "loopback", NC.parse_rate(nw)
+                                                                     if nw != "loopback" else 0))
+    labels = [("loopback\n(shared memory)" if nw == "loopback" else f"{NC.parse_rate(nw) / 1e9:g} Gbit/s\n(gRPC)")
+              for nw in networks]
+    nps = sorted({r["np"] for r in rows})
+    fig, axes = plt.subplots(1, len(nps), figsize=(6.5 * len(nps), 4.8), squeeze=False)
+    for ax, n in zip(axes[0], nps):
+        by = {r["network"]: r for r in rows if r["np"] == n}
+        xs = [i for i, nw in enumerate(networks) if nw in by]
+
+        def ys(fn: Any) -> list[float]:
+            return [fn(by[networks[i]]) for i in xs]
+
+        ax.plot(xs, ys(lambda r: r["sequential"]["step_ms"]), marker="o", label="sequential step")
+        ax.plot(xs, ys(lambda r: r["streamed"]["step_ms"]), marker="o", label="streamed step (hostreduce)")
+        ax.plot(xs, ys(lambda r: r["compute_ms"]), ls="--", marker=".", color="gray", label="T_compute")
+        ax.plot(xs, ys(lambda r: r["reduction_ms"]), ls=":", marker=".", color="black",
+                label="T_reduction (alone)")
+        for i in xs:
+            r = by[networks[i]]
+            ax.annotate(f"hidden {r['hidden_fraction']:.2f}", (i, r["streamed"]["step_ms"]),
+                        textcoords="offset points", xytext=(4, -12), fontsize=8)
+        ax.set_xticks(range(len(networks)))
+        ax.set_xticklabels(labels)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"N = {n}")
+        ax.set_xlabel("link")
+        ax.set_ylabel("ms per step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Step time against link rate: sequential vs streamed reduction (lower is better)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_COLORS = {"forward": "#4c72b0", "backward": "#55a868", "hand-off": "#8172b2", "reduce": "#dd8452",
+           "apply": "#c44e52", "wait": "#bbbbbb"}
+
+
+def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = row["np"]
+    sub_rows = ["compute", "hand-off", "reduce", "apply"]
+    fig, axes = plt.subplots(2, 1, figsize=(13, 1.2 + 0.9 * n * 2), sharex=True)
+    xmax = 0.0
+    for ax, mode in zip(axes, MODES):
+        info = timeline[mode]
+        yticks, ylabels = [], []
+        for r in range(n):
+            spans = info["ranks"].get(str(r), [])
+            for j, sub in enumerate(sub_rows):
+                y = (n - 1 - r) * (len(sub_rows) + 1) + (len(sub_rows) - 1 - j)
+                yticks.append(y)
+                ylabels.append(f"rank {r} {sub}")
+                for s in spans:
+                    kind = s["row"]
+                    if kind == "wait":
+                        kind_row = "compute"
+                    else:
+                        kind_row = kind
+                    if kind_row != sub:
+                        continue
+                    if kind == "compute":
+                        color = _COLORS["forward"] if s["name"] == "forward" else _COLORS["backward"]
+                    else:
+                        color = _COLORS[kind]
+                    height = 0.8 if kind != "reduce" else 0.6
+                    alpha = 0.5 if kind == "reduce" else 0.9
+                    ax.broken_barh([(s["start_ms"], max(s["dur_ms"], 0.15))], (y - height / 2, height),
+                                   facecolors=color, alpha=alpha, edgecolor="none")
+                    xmax = max(xmax, s["start_ms"] + s["dur_ms"])
+        ax.set_yticks(yticks)
+        ax.set_yticklabels(ylabels, fontsize=7)
+        step = row[mode]["step_ms"]
+        ax.set_title(f"{mode}: median step {step:.0f} ms (one step, step #{info['step_index']})", fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1].set_xlim(0, xmax * 1.02)
+    axes[-1].set_xlabel("ms since the step's first forward pass began")
+    handles = [Patch(color=_COLORS[k], label=k) for k in ("forward", "backward", "hand-off", "reduce", "apply", "wait")]
+    fig.legend(handles=handles, loc="upper right", ncol=6, fontsize=8)
+    net = row["network"]
+    title = ("loopback (shared memory)" if net == "loopback" else f"simulated {NC.parse_rate(net) / 1e9:g} Gbit/s links (gRPC)")
+    fig.suptitle(f"One training step per rank, N = {n}, {title}; reduce bars overlap per tensor "
+                 f"(T_reduction alone {row['reduction_ms']:.0f} ms)", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_list(text: str, conv: Any) -> list[Any]:
+    return [conv(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4; --quick: 2)")
+    p.add_argument("--networks", default=None,
+                   help="comma-separated: loopback and link rates (default loopback,1gbit,10gbit; --quick: loopback,1gbit)")
+    p.add_argument("--global-batch", type=int, default=None, help="examples per step over all workers (default 3072)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds of both schedules (default 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per schedule and round (default 5)")
+    p.add_argument("--quick", action="store_true", help="smoke run (< 90 s)")
+    p.add_argument("--max-load", type=float, default=None,
+                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
+    p.add_argument("--max-wait-s", type=float, default=600.0)
+    p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--keep-workdir", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+
+    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
+    wanted = _parse_list(args.networks, str) if args.networks else (
+        ["loopback", "1gbit"] if args.quick else DEFAULT_NETWORKS)
+    try:
+        for nw in wanted:
+            if nw != "loopback":
+                NC.parse_rate(nw)
+    except NC.NetClusterError as exc:
+        p.error(str(exc))
+    if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
+        p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
+    global_batch = args.global_batch or (256 if args.quick else 3072)
+    if any(global_batch % n for n in nps):
+        p.error(f"--global-batch must be divisible by every N. Received: --global-batch {global_batch}, N {nps}")
+    usable, why = NC.netns_usable()
+    networks = [nw for nw in wanted if nw == "loopback" or usable]
+    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    plan = {"global_batch": global_batch, "warmup_steps": 2 if args.quick else 3,
+            "rounds": args.rounds or (1 if args.quick else 2), "steps_per_round": args.steps or (3 if args.quick else 5),
+            "reduce_reps": 3 if args.quick else 7, "rate_check_s": 0.3 if args.quick else 1.0,
+            "inter_op_threads": 2, "worker_timeout_s": 560.0}
+    out_dir = Path(args.out)
+    json_path, png_path = out_dir / "overlap.json", out_dir / "overlap.png"
+    result: dict[str, Any] = {
+        "benchmark": "overlap",
+        "description": "MLP 512-768x8-10 (4.5M float32 parameters, 18 gradient tensors), Adam on the host; "
+                       "Estimator + hostreduce ring; sequential (stream_gradients=False) vs streamed schedule, "
+                       "alternating in the same workers; full gradient set all-reduced alone for T_reduction",
+        "environment": C.environment(packages=("grpcio", "tensorflow", "keras"),
+                                     extra={"load_wait": quiet, "namespaces_usable": usable,
+                                            "namespaces_reason": why}),
+        "settings": {"np": nps, "networks": networks, "quick": args.quick, "plan": plan,
+                     "model": {"input": INPUT_DIM, "hidden": HIDDEN, "hidden_layers": LAYERS, "classes": CLASSES,
+                               "dense_layers": LAYERS + 1},
+                     "data": "synthetic: 4 global batches of standard-normal features, uniform labels, repeated",
+                     "intra_op_threads": {str(n): max(1, cores // n) for n in nps},
+                     "definitions": {
+                         "step_ms": "slowest rank's median of timed steps (first step of each train() call dropped)",
+                         "compute_ms": "sequential step - its reduction phase (submit + wait)",
+                         "reduction_ms": "median over repetitions of the slowest rank's all-reduce of every "
+                                         "gradient tensor, all submitted at once, no compute",
+                         "hidden_fraction": "(T_sequential - T_streamed) / T_reduction",
+                         "streamed_over_bound": "T_streamed / max(T_compute, T_reduction)"},
+                     "targets": {"hidden_fraction_1gbit": f">= {TARGET_HIDDEN}",
+                                 "streamed_over_bound_1gbit": f"<= {TARGET_RATIO}"}},
+        "runs": {}, "measurements": [], "targets": [],
+    }
+    if not usable:
+        print(f"network namespaces unavailable ({why}); running the loopback part only", flush=True)
+    print(f"overlap benchmark: networks={networks} np={nps} global batch {global_batch} "
+          f"(results -> {json_path})", flush=True)
+    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-overlap-"))
+    t_start = time.monotonic()
+    rows: list[dict] = []
+    timelines: dict[tuple[str, int], dict] = {}
+    try:
+        for n in nps:
+            plan_n = {**plan, "intra_op_threads": max(1, cores // n)}
+            plan_path = workroot / f"plan-np{n}.json"
+            plan_path.write_text(json.dumps(plan_n))
+            for network in networks:
+                timeout = args.job_timeout or (150.0 if args.quick else 240.0)
+                if network == "loopback":
+                    row = _run_cell(network, n, None, plan_n, plan_path, workroot, result, timeout)
+                else:
+                    with NC.NetCluster(n, network) as cluster:
+                        row = _run_cell(network, n, cluster, plan_n, plan_path, workroot, result, timeout)
+                if row is not None:
+                    rows.append(row)
+                    timelines[(network, n)] = result["runs"][network][str(n)].get("timeline")
+                result["measurements"] = rows
+                C.write_json(json_path, result)
+    finally:
+        if args.keep_workdir:
+            print(f"worker files kept in {workroot}")
+        else:
+            shutil.rmtree(workroot, ignore_errors=True)
+    result["targets"] = _targets(rows)
+    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["environment"]["loadavg_at_end"] = C.loadavg()
+    C.write_json(json_path, result)
+    if not args.no_plot and rows:
+        _plot_rates(png_path, rows)
+        for row in rows:
+            tl = timelines.get((row["network"], row["np"]))
+            if tl:
+                _plot_timeline(out_dir / f"overlap.timeline.{row['network']}-np{row['np']}.png", row, tl)
+        main_tl = next((r for r in rows if r["network"] == "1gbit" and r["np"] == max(nps)), rows[-1])
+        if timelines.get((main_tl["network"], main_tl["np"])):
+            _plot_timeline(out_dir / "overlap.timeline.png", main_tl, timelines[(main_tl["network"], main_tl["np"])])
+    _print_tables(rows)
+    if result["targets"]:
+        print()
+        for t in result["targets"]:
+            print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']})")
+    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
+          f" in {result['environment']['wall_s']} s")
+    failed = [f"{nw} N={n}" for nw, runs in result["runs"].items() for n, info in runs.items()
+              if info["status"] != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
