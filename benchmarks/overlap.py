@@ -175,7 +175,7 @@ def worker_main(args: argparse.Namespace) -> int:
         input_fn = _input_fn(plan)
         out = open(workdir / f"rank{rank}.jsonl", "a")
         out.write(json.dumps({"kind": "hello", "rank": rank, "size": size,
-                              "transport": strategy.reducer.config.transport}) + "\n")
+                              "transport": getattr(strategy.reducer, "transport", None)}) + "\n")
         out.flush()
 
         stamps: list[float] = []
@@ -196,10 +196,9 @@ def worker_main(args: argparse.Namespace) -> int:
                 step_ms[mode] += [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
                 timed_index[mode] += list(range(done[mode] + 1, done[mode] + plan["steps_per_round"] + 1))
                 done[mode] += plan["steps_per_round"] + 1
-        shapes = [tuple(b.shape) for b in estimators["streamed"]._programs["train"][1].exchange.buffers]
+        dims = [INPUT_DIM] + [HIDDEN] * LAYERS + [CLASSES]
+        shapes = [s for a, b in zip(dims, dims[1:]) for s in ((a, b), (b,))]  # kernel, bias per layer
         alone = _reduce_alone(strategy.reducer, shapes, plan["reduce_reps"])
-        for mode in MODES:
-            estimators[mode]._timeline.flush()
         for mode in MODES:
             steps = _step_breakdown(workdir / f"timeline-{mode}" / f"timeline-rank{rank}.json")
             timed = [steps[i] for i in timed_index[mode] if i < len(steps)]

@@ -100,6 +100,8 @@ class RingReducer(Reducer):
         self._link: _MeshLink | None = None
         self._current: list[_Pending] = []
         self._shm: Any = None
+        self._local: Any = None
+        self._owns_fifos = False
         self._coordinator: Coordinator | None = None
         self.transport = "local"
         if self._rank == 0:
@@ -154,6 +156,9 @@ class RingReducer(Reducer):
             while len(joins) < self._size:
                 joins.append(self._setup_get())
             welcome = self._decide(joins)
+            if welcome.get("transport") == "shm":
+                # Shared resources exist before any peer learns their names.
+                self._open_local_paths(welcome["token"], create=True)
             for peer in range(1, self._size):
                 self._mesh.send(peer, CTL, 0, json.dumps(welcome).encode())
         else:
@@ -163,13 +168,35 @@ class RingReducer(Reducer):
             raise ConfigError(welcome["error"])
         self.transport = welcome["transport"]
         if self.transport == "shm":
-            from .shm import ShmGroup
-
-            self._shm = ShmGroup(self._rank, self._size, welcome["token"], cfg.timeout_s, lambda: self._error,
-                                 use_cma=cfg.single_copy)
+            if self._rank != 0:
+                self._open_local_paths(welcome["token"], create=False)
+            assert self._shm is not None and self._local is not None
+            self._shm.barrier()  # every rank reads its own pipe before anyone writes
+            self._local.connect()
+            self._shm.barrier()  # every rank has mapped and opened everything by name
+            if self._rank == 0:
+                self._shm.release_names()
+                self._local.release_names()
         nxt, prev = (self._rank + 1) % self._size, (self._rank - 1) % self._size
         self._link = _MeshLink(self._mesh, nxt, prev, cfg.timeout_s)
         log.info("rank %d/%d: ring up, data path %s", self._rank, self._size, self.transport)
+
+    def _open_local_paths(self, token: str, create: bool) -> None:
+        """Shared memory and named pipes of a one-host job (rank 0 creates them)."""
+        from .local_ctl import LocalControl, create_fifos
+        from .shm import ShmGroup
+
+        cfg = self._config
+        if create:
+            create_fifos(token, self._size)
+            self._owns_fifos = True
+        self._shm = ShmGroup(self._rank, self._size, token, cfg.timeout_s, lambda: self._error,
+                             use_cma=cfg.single_copy)
+        self._local = LocalControl(self._rank, self._size, token, self._on_local)
+
+    def _on_local(self, payload: bytes) -> None:
+        msg = json.loads(payload)
+        self._on_ctl(int(msg.get("rank", 0)), payload)
 
     def _setup_get(self) -> dict:
         try:
@@ -199,7 +226,7 @@ class RingReducer(Reducer):
 
     # ------------------------------------------------------------------ messages
     def _on_ctl(self, src: int, payload: bytes) -> None:
-        msg = json.loads(bytes(payload))
+        msg = payload if isinstance(payload, dict) else json.loads(bytes(payload))
         t = msg.get("t")
         if t == "ready" and self._coordinator is not None:
             self._coordinator.on_ready(src, msg["entries"])
@@ -214,7 +241,10 @@ class RingReducer(Reducer):
 
             payload = json.dumps({"t": "plan", "items": items}).encode()
             for peer in range(1, self._size):
-                self._mesh.send(peer, CTL, 0, payload)
+                if self._local is not None:
+                    self._local.send(peer, payload, atomic=False)
+                else:
+                    self._mesh.send(peer, CTL, 0, payload)
         self._plans.put(items)
 
     def _announce(self, entry: dict) -> None:
@@ -243,6 +273,21 @@ class RingReducer(Reducer):
             if self._rank == 0:
                 assert self._coordinator is not None
                 self._coordinator.on_ready(0, entries)
+            elif self._local is not None:
+                # Each message stays within the pipe's atomic write size.
+                from .local_ctl import MAX_MESSAGE
+
+                head = f'{{"t": "ready", "rank": {self._rank}, "entries": ['
+                parts: list[str] = []
+                used = len(head) + 2
+                for entry in entries:
+                    text = json.dumps(entry)
+                    if parts and used + len(text) + 2 > MAX_MESSAGE:
+                        self._local.send(0, (head + ", ".join(parts) + "]}").encode())
+                        parts, used = [], len(head) + 2
+                    parts.append(text)
+                    used += len(text) + 2
+                self._local.send(0, (head + ", ".join(parts) + "]}").encode())
             else:
                 from .grpc_mesh import CTL
 
@@ -456,5 +501,7 @@ class RingReducer(Reducer):
             self._mesh.close(graceful=graceful)
         if executor is not None and executor is not threading.current_thread():
             executor.join(timeout=5.0)
+        if self._local is not None:
+            self._local.close(unlink=self._owns_fifos)
         if self._shm is not None:
             self._shm.close()

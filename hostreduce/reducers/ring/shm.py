@@ -48,16 +48,20 @@ class _Segment:
     def view(self, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
         return np.frombuffer(self.map, dtype=dtype, count=count, offset=offset)
 
+    def unlink(self) -> None:
+        if self.owner:
+            self.owner = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         try:
             self.map.close()
         except BufferError:  # a numpy view is still alive; the mapping goes with the process
             pass
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self.unlink()
 
 
 class _Waiter:
@@ -120,6 +124,12 @@ class ShmGroup:
         self._cap = [0] * size      # bytes per region of each rank's segment
         self._gen = [0] * size
         self._segs: list[_Segment | None] = [None] * size
+
+    def release_names(self) -> None:
+        """Remove the control segment's name once every rank has mapped it."""
+        self._ensure_ctl()
+        if self._ctl is not None:
+            self._ctl.unlink()
 
     def _ctl_bytes(self) -> int:
         return _ALIGN * self.size * len(self._FIELDS)
@@ -257,8 +267,17 @@ class ShmGroup:
                 if j == self.rank:
                     self._segs[j] = _Segment(self._name(j), 2 * cap, create=True)
                 grew = True
-        if grew:  # peers attach to new segments only once their owners created them
+        if grew:
+            # Attach to every new segment once its owner created it, then remove the
+            # names at once: the mappings stay valid and nothing is left behind in
+            # /dev/shm even if a process is killed.
             self.barrier()
+            for j in range(self.size):
+                self._peer(j) if self._cap[j] else None
+            self.barrier()
+            own = self._segs[self.rank]
+            if own is not None:
+                own.unlink()
         region = self._op & 1
         self._op += 1
         return region

