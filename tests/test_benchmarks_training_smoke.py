@@ -1,0 +1,94 @@
+"""The overlap and end-to-end training benchmarks' smoke modes run end to end and write complete results."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import netcluster as NC
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+pytestmark = pytest.mark.tf
+
+
+def _run(script: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out)], cwd=str(ROOT),
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.timeout(200)
+def test_overlap_quick_writes_every_field(tmp_path: Path) -> None:
+    proc = _run("overlap.py", tmp_path, timeout=180)
+    result = json.loads((tmp_path / "overlap.json").read_text())
+    for key in ("benchmark", "environment", "settings", "runs", "measurements", "targets"):
+        assert key in result, key
+    env = result["environment"]
+    assert env["loadavg_at_start"] and env["loadavg_at_end"] and env["versions"]["tensorflow"]
+    usable = NC.netns_usable()[0]
+    networks = ["loopback", "1gbit"] if usable else ["loopback"]
+    assert result["settings"]["networks"] == networks and result["settings"]["np"] == [2]
+    assert result["settings"]["model"]["dense_layers"] >= 8
+    rows = {r["network"]: r for r in result["measurements"]}
+    assert set(rows) == set(networks)
+    for network, row in rows.items():
+        assert result["runs"][network]["2"]["status"] == "ok"
+        assert row["gradient_bytes"] >= 16 << 20 and row["gradient_tensors"] >= 16
+        for mode in ("sequential", "streamed"):
+            m = row[mode]
+            assert m["step_ms"] > 0 and m["forward_ms"] > 0 and m["backward_ms"] > 0 and m["apply_ms"] > 0
+            assert set(m["rank_step_ms"]) == {"0", "1"}
+        assert row["reduction_ms"] > 0 and row["compute_ms"] > 0
+        t_seq, t_str = row["sequential"]["step_ms"], row["streamed"]["step_ms"]
+        assert row["hidden_fraction"] == pytest.approx((t_seq - t_str) / row["reduction_ms"], abs=2e-3)
+        assert row["streamed_over_bound"] == pytest.approx(
+            t_str / max(row["compute_ms"], row["reduction_ms"]), rel=1e-2)
+        assert row["loadavg_before"] and row["loadavg_after"]
+        # One step of each schedule per rank, with every kind of span, for the timeline plot.
+        tl = result["runs"][network]["2"]["timeline"]
+        for mode in ("sequential", "streamed"):
+            kinds = {s["row"] for s in tl[mode]["ranks"]["0"]}
+            assert {"compute", "hand-off", "reduce", "apply"} <= kinds, kinds
+        assert (tmp_path / f"overlap.timeline.{network}-np2.png").stat().st_size > 0
+    if usable:
+        assert rows["1gbit"]["transport"] == "grpc" and rows["1gbit"]["link_rate_bps"] == 1e9
+        assert {t["what"] for t in result["targets"]} == {
+            "1gbit N=2: hidden fraction", "1gbit N=2: T_streamed / max(T_compute, T_reduction)"}
+    assert (tmp_path / "overlap.png").stat().st_size > 0
+    assert (tmp_path / "overlap.timeline.png").stat().st_size > 0
+    assert "hidden" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_end_to_end_quick_writes_every_field(tmp_path: Path) -> None:
+    proc = _run("end_to_end.py", tmp_path, timeout=180)
+    result = json.loads((tmp_path / "end_to_end.json").read_text())
+    for key in ("benchmark", "environment", "settings", "runs", "baselines", "measurements", "ratios", "targets"):
+        assert key in result, key
+    env = result["environment"]
+    assert env["loadavg_at_start"] and env["loadavg_at_end"] and env["versions"]["tensorflow"]
+    assert result["settings"]["impls"] == ["ring", "tf"] and result["settings"]["np"] == [2]
+    assert result["settings"]["models"] == ["mnist", "large"]
+    for path in ("estimator", "keras"):
+        for model in ("mnist", "large"):
+            assert result["baselines"][model][path]["1"] > 0
+    cells = {(r["impl"], r["model"]): r for r in result["measurements"]}
+    assert set(cells) == {(i, m) for i in ("ring", "tf") for m in ("mnist", "large")}
+    for (impl, model), r in cells.items():
+        assert r["network"] == "loopback" and r["np"] == 2
+        assert r["global_batch"] == 2 * r["per_worker_batch"]
+        assert r["examples_per_s"] == pytest.approx(r["global_batch"] / (r["step_ms"] / 1e3), rel=1e-2)
+        assert 0 < r["efficiency"] and set(r["rank_step_ms"]) == {"0", "1"}
+        assert result["runs"]["loopback"][impl]["2"]["status"] == "ok"
+    assert {(r["model"], r["what"]) for r in result["ratios"]} == {("mnist", "ring / tf"), ("large", "ring / tf")}
+    assert any("ring / tf" in t["what"] for t in result["targets"])
+    assert (tmp_path / "end_to_end.png").stat().st_size > 0
+    assert "examples/s" in proc.stdout
