@@ -12,8 +12,14 @@ Models:
 * ``large``: an MLP 1024-1792x8-1000 (26.1M float32 parameters, 100 MiB of gradients)
   on synthetic data.
 
-Each worker trains on its own shard with the same per-worker batch (weak scaling: the
-global batch is N times it) and Adam, with:
+Each worker trains on its own shard with Adam; the per-worker batch is fixed (weak
+scaling: the global batch is N times it) and the same for every implementation and
+baseline. It differs between the networks: on loopback the large model trains 128
+examples per worker, a step whose compute is short next to its 100 MiB reduction, as on
+an accelerator, so the reducer decides the throughput; on the 1 Gbit/s links it trains
+768, the smallest batch whose backward pass (on this machine's CPUs) lasts about as long
+as the reduction at that rate, so that overlapping can hide it (with 128 no schedule can:
+the reduction alone takes several times the compute). The implementations:
 
 | name | what runs |
 |---|---|
@@ -136,14 +142,13 @@ def _large_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
 # =========================================================================== worker: the two code paths
 
 
-def _estimator_steps(strategy: Any, model: str, plan: dict, rank: int, size: int) -> list[float]:
+def _estimator_steps(strategy: Any, model: str, per_worker: int, plan: dict, rank: int, size: int) -> list[float]:
     """Step times (s) of the hostreduce Estimator."""
     import keras
     import tensorflow as tf
 
     from hostreduce.estimator import Estimator, RunConfig
 
-    per_worker = plan["batch"][model]
     x, y = _data(model, per_worker, rank, size)
 
     def input_fn(mode: str, input_context: Any = None) -> Any:
@@ -162,7 +167,7 @@ def _estimator_steps(strategy: Any, model: str, plan: dict, rank: int, size: int
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _keras_steps(kind: str, model: str, plan: dict, rank: int, size: int, strategy: Any = None,
+def _keras_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, size: int, strategy: Any = None,
                  hvd: Any = None) -> list[float]:
     """Step times (s) of a Keras custom loop in one tf.function: ``tf`` (under a
     MultiWorkerMirroredStrategy), ``horovod`` (hvd.allreduce of each gradient) or
@@ -172,7 +177,6 @@ def _keras_steps(kind: str, model: str, plan: dict, rank: int, size: int, strate
     import keras
     import tensorflow as tf
 
-    per_worker = plan["batch"][model]
     x, y = _data(model, per_worker, rank, size)
     batches = [(tf.constant(x[i:i + per_worker]), tf.constant(y[i:i + per_worker]))
                for i in range(0, len(x), per_worker)]
@@ -188,7 +192,7 @@ def _keras_steps(kind: str, model: str, plan: dict, rank: int, size: int, strate
 
     if hvd is not None:
         for v in net.variables:
-            v.assign(hvd.broadcast(v.value, root_rank=0, name=f"init.{model}.{v.path}"))
+            v.assign(hvd.broadcast(v.value, root_rank=0, name=f"init.{model}.{per_worker}.{v.path}"))
 
     def replica_step(xb: Any, yb: Any) -> Any:
         with tf.GradientTape() as tape:
@@ -201,7 +205,7 @@ def _keras_steps(kind: str, model: str, plan: dict, rank: int, size: int, strate
                 loss = tf.reduce_mean(per_example)
         grads = tape.gradient(loss, variables)
         if kind == "horovod":
-            grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad.{model}.{i}") for i, g in enumerate(grads)]
+            grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad.{model}.{per_worker}.{i}") for i, g in enumerate(grads)]
         optimizer.apply_gradients(zip(grads, variables))
         return loss
 
@@ -255,9 +259,9 @@ def worker_main(args: argparse.Namespace) -> int:
             strategy = MultiWorkerStrategy() if impl == "ring" else HorovodStrategy(reducer="mpi")
             rank, size = strategy.rank, strategy.size
             strategy.reducer  # connect
-            for model in plan["models"]:
+            for model, batch in plan["workloads"]:
                 strategy.reducer.barrier()
-                records.append((model, "estimator", _estimator_steps(strategy, model, plan, rank, size)))
+                records.append((model, batch, "estimator", _estimator_steps(strategy, model, batch, plan, rank, size)))
             strategy.reducer.barrier()
             strategy.close()
         elif impl == "tf":
@@ -266,31 +270,33 @@ def worker_main(args: argparse.Namespace) -> int:
             strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
             resolver = strategy.cluster_resolver
             rank, size = resolver.task_id, strategy.num_replicas_in_sync
-            for model in plan["models"]:
-                records.append((model, "keras", _keras_steps("tf", model, plan, rank, size, strategy=strategy)))
+            for model, batch in plan["workloads"]:
+                records.append((model, batch, "keras", _keras_steps("tf", model, batch, plan, rank, size,
+                                                                    strategy=strategy)))
         elif impl == "horovod":
             import horovod.tensorflow as hvd
 
             hvd.init()
             rank, size = hvd.rank(), hvd.size()
-            for model in plan["models"]:
-                records.append((model, "keras", _keras_steps("horovod", model, plan, rank, size, hvd=hvd)))
+            for model, batch in plan["workloads"]:
+                records.append((model, batch, "keras", _keras_steps("horovod", model, batch, plan, rank, size,
+                                                                    hvd=hvd)))
             hvd.shutdown()
         else:  # single: N independent processes, no communication
             from hostreduce.strategies import SingleProcessStrategy
 
             rank, size = args.rank, plan["independent"]
-            for model in plan["models"]:
+            for model, batch in plan["workloads"]:
                 for path in ("estimator", "keras"):
-                    _file_barrier(workdir, f"{model}.{path}", rank, size)
-                    steps = (_estimator_steps(SingleProcessStrategy(), model, plan, 0, 1) if path == "estimator"
-                             else _keras_steps("single", model, plan, 0, 1))
-                    records.append((model, path, steps))
+                    _file_barrier(workdir, f"{model}.{batch}.{path}", rank, size)
+                    steps = (_estimator_steps(SingleProcessStrategy(), model, batch, plan, 0, 1) if path == "estimator"
+                             else _keras_steps("single", model, batch, plan, 0, 1))
+                    records.append((model, batch, path, steps))
             size = 1
         with open(workdir / f"rank{rank}.jsonl", "a") as out:
-            for model, path, steps in records:
+            for model, batch, path, steps in records:
                 out.write(json.dumps({"kind": "steps", "impl": impl, "model": model, "path": path, "rank": rank,
-                                      "size": size, "per_worker_batch": plan["batch"][model],
+                                      "size": size, "per_worker_batch": batch,
                                       "step_ms": [round(s * 1e3, 3) for s in steps]}) + "\n")
     except BaseException as exc:
         (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
@@ -352,7 +358,8 @@ def _run(network: str, impl: str, n: int, cluster: NC.NetCluster | None, plan: d
     workdir.mkdir()
     plan_path = workdir / "plan.json"
     threads = max(1, plan["cores"] // n)
-    plan_path.write_text(json.dumps({**plan, "intra_op_threads": threads, "independent": n}))
+    workloads = _workloads(plan, network)
+    plan_path.write_text(json.dumps({**plan, "intra_op_threads": threads, "independent": n, "workloads": workloads}))
     info: dict[str, Any] = {"loadavg_before": C.loadavg(), "intra_op_threads": threads, **(extra_info or {})}
     try:
         res = C.run_job(_job(impl, n, cluster, plan_path, workdir, timeout_s))
@@ -363,7 +370,7 @@ def _run(network: str, impl: str, n: int, cluster: NC.NetCluster | None, plan: d
         return []
     recs = _collect(workdir)
     info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1), loadavg_after=C.loadavg())
-    expected = n * len(plan["models"]) * (2 if impl == "single" else 1)
+    expected = n * len(workloads) * (2 if impl == "single" else 1)
     if res.ok and len(recs) != expected:
         info.update(status="error", error=f"{len(recs)} of {expected} records written")
     if not res.ok:
@@ -378,9 +385,21 @@ def _run(network: str, impl: str, n: int, cluster: NC.NetCluster | None, plan: d
     return recs if info["status"] == "ok" else []
 
 
-def _throughput(recs: list[dict], model: str, path: str | None = None) -> tuple[float, float] | None:
+def _workloads(plan: dict, network: str) -> list[list]:
+    """[model, examples per worker] pairs a job on ``network`` trains (baselines: all)."""
+    kinds = ["loopback", "cluster"] if network == "baseline" else ["loopback" if network == "loopback" else "cluster"]
+    out: list[list] = []
+    for kind in kinds:
+        for model in plan["models"]:
+            pair = [model, plan["batch"][kind][model]]
+            if pair not in out:
+                out.append(pair)
+    return out
+
+
+def _throughput(recs: list[dict], model: str, batch: int) -> tuple[float, float] | None:
     """(examples/s, step ms) of a synchronous job: global batch / slowest rank's median step."""
-    rs = [r for r in recs if r["model"] == model and (path is None or r["path"] == path)]
+    rs = [r for r in recs if r["model"] == model and r["per_worker_batch"] == batch]
     if not rs:
         return None
     step = max(statistics.median(r["step_ms"]) for r in rs)
@@ -388,9 +407,9 @@ def _throughput(recs: list[dict], model: str, path: str | None = None) -> tuple[
     return global_batch / (step / 1e3), step
 
 
-def _independent_throughput(recs: list[dict], model: str, path: str) -> float | None:
+def _independent_throughput(recs: list[dict], model: str, batch: int, path: str) -> float | None:
     """Sum over independent processes of each one's examples/s."""
-    rs = [r for r in recs if r["model"] == model and r["path"] == path]
+    rs = [r for r in recs if r["model"] == model and r["per_worker_batch"] == batch and r["path"] == path]
     if not rs:
         return None
     return sum(r["per_worker_batch"] / (statistics.median(r["step_ms"]) / 1e3) for r in rs)
@@ -398,13 +417,13 @@ def _independent_throughput(recs: list[dict], model: str, path: str) -> float | 
 
 def _build_rows(all_recs: dict, plan: dict, nps: list[int], networks: list[str]) -> tuple[list[dict], dict]:
     baselines: dict[str, Any] = {}
-    for n in [1] + nps:
+    for n in plan["baseline_np"]:
         recs = all_recs.get(("baseline", "single", n), [])
-        for model in plan["models"]:
+        for model, batch in _workloads(plan, "baseline"):
             for path in ("estimator", "keras"):
-                v = _independent_throughput(recs, model, path)
+                v = _independent_throughput(recs, model, batch, path)
                 if v is not None:
-                    baselines.setdefault(model, {}).setdefault(path, {})[str(n)] = round(v, 2)
+                    baselines.setdefault(f"{model}@{batch}", {}).setdefault(path, {})[str(n)] = round(v, 2)
     rows = []
     for network in networks:
         for impl in IMPLS:
@@ -412,16 +431,17 @@ def _build_rows(all_recs: dict, plan: dict, nps: list[int], networks: list[str])
                 recs = all_recs.get((network, impl, n))
                 if not recs:
                     continue
-                for model in plan["models"]:
-                    tp = _throughput(recs, model)
+                for model, batch in _workloads(plan, network):
+                    tp = _throughput(recs, model, batch)
                     if tp is None:
                         continue
                     eps, step = tp
-                    base = baselines.get(model, {}).get(PATH_OF[impl], {})
+                    base = baselines.get(f"{model}@{batch}", {}).get(PATH_OF[impl], {})
                     row = {"network": network, "impl": impl, "np": n, "model": model,
-                           "per_worker_batch": plan["batch"][model], "global_batch": plan["batch"][model] * n,
+                           "per_worker_batch": batch, "global_batch": batch * n,
                            "examples_per_s": round(eps, 2), "step_ms": round(step, 3),
-                           "rank_step_ms": {str(r["rank"]): r["step_ms"] for r in recs if r["model"] == model}}
+                           "rank_step_ms": {str(r["rank"]): r["step_ms"] for r in recs
+                                            if r["model"] == model and r["per_worker_batch"] == batch}}
                     if base.get("1"):
                         row["efficiency"] = round(eps / (n * base["1"]), 4)
                     if base.get(str(n)):
@@ -463,10 +483,10 @@ def _targets(rows: list[dict]) -> list[dict]:
 
 
 def _print_tables(rows: list[dict], baselines: dict, plan: dict) -> None:
-    for model in plan["models"]:
-        print(f"\nmodel {model}, {plan['batch'][model]} examples per worker "
+    for model, batch in _workloads(plan, "baseline"):
+        print(f"\nmodel {model}, {batch} examples per worker "
               f"(examples/s = global batch / slowest rank's median step)")
-        b = baselines.get(model, {})
+        b = baselines.get(f"{model}@{batch}", {})
         print("  baselines (examples/s): " + "; ".join(
             f"{path}: 1 alone {v.get('1', '-')}, " + ", ".join(f"{k} at once {v[k]}" for k in sorted(v) if k != "1")
             for path, v in b.items()))
@@ -474,7 +494,7 @@ def _print_tables(rows: list[dict], baselines: dict, plan: dict) -> None:
         print(head)
         print("  " + "-" * (len(head) - 2))
         for r in rows:
-            if r["model"] != model:
+            if r["model"] != model or r["per_worker_batch"] != batch:
                 continue
             eff = f"{r['efficiency']:.3f}" if "efficiency" in r else "-"
             effs = f"{r['efficiency_shared_cpu']:.3f}" if "efficiency_shared_cpu" in r else "-"
@@ -511,7 +531,9 @@ def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None
             a.grid(True, axis="y", alpha=0.3)
             a.legend(fontsize=8)
         ax.set_ylabel("examples/s")
-        ax.set_title(f"{model}: throughput ({plan['batch'][model]} examples per worker; higher is better)")
+        batches = ", ".join(f"{nw}: {plan['batch']['loopback' if nw == 'loopback' else 'cluster'][model]}"
+                            for nw in networks)
+        ax.set_title(f"{model}: throughput (examples per worker {batches}; higher is better)", fontsize=9)
         ax_eff.axhline(TARGET_EFFICIENCY, ls="--", color="red", lw=0.8)
         ax_eff.set_ylim(0, 1.1)
         ax_eff.set_ylabel("scaling efficiency")
@@ -548,7 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4; --quick: 2)")
     p.add_argument("--networks", default=None, help="loopback and/or a link rate such as 1gbit (default both; --quick: loopback)")
     p.add_argument("--models", default=None, help="mnist,large (default both)")
-    p.add_argument("--batch-large", type=int, default=None, help="examples per worker, large model (default 768)")
+    p.add_argument("--batch-large", type=int, default=None,
+                   help="examples per worker, large model, on loopback (default 128)")
+    p.add_argument("--batch-large-cluster", type=int, default=None,
+                   help="examples per worker, large model, on the simulated cluster (default 768)")
     p.add_argument("--batch-mnist", type=int, default=None, help="examples per worker, mnist model (default 64)")
     p.add_argument("--quick", action="store_true", help="smoke run (< 90 s)")
     p.add_argument("--max-load", type=float, default=None,
@@ -590,7 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     timeout = args.job_timeout or (100.0 if args.quick else 200.0)
     plan = {"models": models, "cores": cores, "inter_op_threads": 2, "worker_timeout_s": timeout - 10.0,
-            "batch": {"mnist": args.batch_mnist or 64, "large": args.batch_large or (32 if args.quick else 768)},
+            "batch": {"loopback": {"mnist": args.batch_mnist or 64, "large": args.batch_large or (32 if args.quick else 128)},
+                      "cluster": {"mnist": args.batch_mnist or 64,
+                                  "large": args.batch_large_cluster or (32 if args.quick else 768)}},
             "warmup": {"mnist": 5 if args.quick else 10, "large": 2},
             "steps": {"mnist": 10 if args.quick else 30, "large": 3 if args.quick else 4},
             "baseline_np": [1] if args.quick else [1] + nps}

@@ -196,6 +196,17 @@ def worker_main(args: argparse.Namespace) -> int:
                 step_ms[mode] += [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
                 timed_index[mode] += list(range(done[mode] + 1, done[mode] + plan["steps_per_round"] + 1))
                 done[mode] += plan["steps_per_round"] + 1
+        profile = None
+        if plan.get("profile"):
+            # One more streamed round (every rank runs it), sampled by py-spy on rank 0.
+            spy = None
+            raw = workdir / f"pyspy-rank{rank}.txt"
+            if rank == 0:
+                spy = _start_pyspy(raw)
+            strategy.reducer.barrier()
+            estimators["streamed"].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
+            if spy is not None:
+                profile = _stop_pyspy(spy, raw)
         dims = [INPUT_DIM] + [HIDDEN] * LAYERS + [CLASSES]
         shapes = [s for a, b in zip(dims, dims[1:]) for s in ((a, b), (b,))]  # kernel, bias per layer
         alone = _reduce_alone(strategy.reducer, shapes, plan["reduce_reps"])
@@ -204,6 +215,8 @@ def worker_main(args: argparse.Namespace) -> int:
             timed = [steps[i] for i in timed_index[mode] if i < len(steps)]
             out.write(json.dumps({"kind": "mode", "rank": rank, "mode": mode, "step_ms": step_ms[mode],
                                   "timed_steps": timed_index[mode], "breakdown": timed}) + "\n")
+        if profile is not None:
+            out.write(json.dumps({"kind": "profile", "rank": rank, **profile}) + "\n")
         out.write(json.dumps({"kind": "alone", "rank": rank, "bytes": int(sum(4 * _prod(s) for s in shapes)),
                               "tensors": len(shapes), "reduce_ms": [round(t * 1e3, 3) for t in alone]}) + "\n")
         out.close()
@@ -214,6 +227,74 @@ def worker_main(args: argparse.Namespace) -> int:
         return 3
     faulthandler.cancel_dump_traceback_later()
     return 0
+
+
+def _start_pyspy(raw: Path) -> Any:
+    import subprocess
+
+    spy_bin = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy_bin is None:
+        return None
+    proc = subprocess.Popen([spy_bin, "record", "--pid", str(os.getpid()), "--rate", "250", "--format", "raw",
+                             "--threads", "--nonblocking", "--output", str(raw)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # attached before the round starts
+    return proc
+
+
+def _stop_pyspy(proc: Any, raw: Path) -> dict:
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)  # py-spy writes its samples on SIGINT
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        return _profile_summary(raw)
+    except OSError as exc:
+        return {"error": f"py-spy wrote no samples: {exc}"}
+
+
+_KINDS = (  # first match along a stack, outermost first
+    ("hand-off callback (copy + submit)", ("handoff.py",)),
+    ("ring: shared-memory data path", ("ring/shm.py", "ring/_cma.py")),
+    ("ring: gRPC data path", ("grpc_mesh.py", "grpc/")),
+    ("ring: algorithm, negotiation", ("hostreduce/reducers/ring/",)),
+    ("host apply", ("host/apply.py",)),
+    ("timeline markers", ("programs.py:mark", "timeline.py")),
+)
+
+
+def _profile_summary(raw: Path) -> dict:
+    """Where rank 0's Python threads spent the round, from py-spy's raw samples:
+    by activity (the hostreduce module on the stack) and by leaf function."""
+    from collections import Counter
+
+    by_kind: Counter = Counter()
+    by_leaf: Counter = Counter()
+    by_thread: Counter = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        by_thread[frames[0]] += n
+        by_leaf[frames[-1]] += n
+        kind = "other (TensorFlow step, Python glue)"
+        for label, keys in _KINDS:
+            if any(k in f for f in frames for k in keys):
+                kind = label
+                break
+        by_kind[kind] += n
+    pct = lambda c: [{"what": k, "samples": v, "share": round(v / max(total, 1), 4)} for k, v in c.most_common(15)]  # noqa: E731
+    return {"samples": total, "rate_hz": 250, "by_activity": pct(by_kind), "by_leaf_function": pct(by_leaf),
+            "by_thread": pct(by_thread), "raw_file_lines": len(raw.read_text().splitlines())}
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -260,6 +341,7 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
     modes: dict[str, dict[int, dict]] = {m: {} for m in MODES}
     alone: dict[int, dict] = {}
     transport = None
+    profile = None
     for f in workdir.glob("rank*.jsonl"):
         for rec in C.read_jsonl(f):
             if rec.get("kind") == "mode":
@@ -268,6 +350,8 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
                 alone[rec["rank"]] = rec
             elif rec.get("kind") == "hello":
                 transport = rec.get("transport")
+            elif rec.get("kind") == "profile":
+                profile = rec
     if len(alone) != n or any(len(modes[m]) != n for m in MODES):
         return None
     row: dict[str, Any] = {"network": network, "np": n, "transport": transport, "link_rate_bps": rate_bps}
@@ -296,6 +380,8 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
         sequential_over_streamed=round(t_seq / t_str, 4),
         backward_slowdown_streamed=round(row["streamed"]["backward_ms"] / max(row["sequential"]["backward_ms"], 1e-9), 4),
     )
+    if profile is not None:
+        row["pyspy_rank0_streamed"] = profile
     if rate_bps:
         row["reduction_bound_ms"] = round(C.bus_bandwidth_factor(n) * nbytes / (rate_bps / 8) * 1e3, 3)
     return row
@@ -529,7 +615,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=None, help="examples per step over all workers (default 3072)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds of both schedules (default 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per schedule and round (default 5)")
+    p.add_argument("--inter-op-threads", type=int, default=2, help="TensorFlow inter-op threads per worker (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke run (< 90 s)")
+    p.add_argument("--profile", default=None, metavar="NETWORK:N",
+                   help="sample rank 0 with py-spy during one extra streamed round of this cell, e.g. 1gbit:4 "
+                        "(summary in the JSON under pyspy_rank0_streamed)")
     p.add_argument("--max-load", type=float, default=None,
                    help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
     p.add_argument("--max-wait-s", type=float, default=600.0)
@@ -566,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = {"global_batch": global_batch, "warmup_steps": 2 if args.quick else 3,
             "rounds": args.rounds or (1 if args.quick else 2), "steps_per_round": args.steps or (3 if args.quick else 5),
             "reduce_reps": 3 if args.quick else 7, "rate_check_s": 0.3 if args.quick else 1.0,
-            "inter_op_threads": 2, "worker_timeout_s": 560.0}
+            "inter_op_threads": args.inter_op_threads, "worker_timeout_s": 560.0,
+            "hostreduce_env": {k: v for k, v in os.environ.items() if k.startswith("HOSTREDUCE_")}}
     out_dir = Path(args.out)
     json_path, png_path = out_dir / "overlap.json", out_dir / "overlap.png"
     result: dict[str, Any] = {
@@ -603,10 +694,10 @@ def main(argv: list[str] | None = None) -> int:
     timelines: dict[tuple[str, int], dict] = {}
     try:
         for n in nps:
-            plan_n = {**plan, "intra_op_threads": max(1, cores // n)}
-            plan_path = workroot / f"plan-np{n}.json"
-            plan_path.write_text(json.dumps(plan_n))
             for network in networks:
+                plan_n = {**plan, "intra_op_threads": max(1, cores // n), "profile": args.profile == f"{network}:{n}"}
+                plan_path = workroot / f"plan-{network}-np{n}.json"
+                plan_path.write_text(json.dumps(plan_n))
                 timeout = args.job_timeout or (150.0 if args.quick else 240.0)
                 if network == "loopback":
                     row = _run_cell(network, n, None, plan_n, plan_path, workroot, result, timeout)

@@ -175,17 +175,6 @@ def _summarize(network: str, n: int, rate_bps: float | None, goodput_bps: float 
     return rows
 
 
-def _wait_for_quiet(max_load: float, max_wait_s: float) -> dict[str, Any]:
-    t0 = time.monotonic()
-    load = os.getloadavg()[0]
-    while load > max_load and time.monotonic() - t0 < max_wait_s:
-        print(f"  1-min load {load:.2f} > {max_load}: waiting ({time.monotonic() - t0:.0f} s so far)", flush=True)
-        time.sleep(15)
-        load = os.getloadavg()[0]
-    return {"max_load": max_load, "waited_s": round(time.monotonic() - t0, 1), "load_1min_at_start": round(load, 2),
-            "quiet": load <= max_load}
-
-
 def _job_timeout(sizes: list[int], n: int, rate_bps: float | None, plan: dict) -> float:
     # The slowest case (shaped links) bounds each size's repetitions; CPUs add start-up.
     per_op = [C.bus_bandwidth_factor(n) * s / ((rate_bps or 4e9) / 8) for s in sizes]
@@ -197,7 +186,7 @@ def _run_cell(network: str, n: int, cluster: NC.NetCluster | None, plan: dict, p
               workroot: Path, result: dict) -> list[dict]:
     workdir = workroot / f"{network}-np{n}"
     workdir.mkdir()
-    info: dict[str, Any] = {"loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+    info: dict[str, Any] = {"loadavg_before": C.loadavg()}
     rate_bps = cluster.rate_bps if cluster else None
     goodput = None
     if cluster is not None:
@@ -209,7 +198,7 @@ def _run_cell(network: str, n: int, cluster: NC.NetCluster | None, plan: dict, p
            else _loopback_job(n, plan_path, workdir, timeout))
     res = C.run_job(job)
     info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1),
-                loadavg_after=[round(x, 2) for x in os.getloadavg()])
+                loadavg_after=C.loadavg())
     if not res.ok:
         errors = sorted(workdir.glob("error.*"))
         info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
@@ -372,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     usable, why = NC.netns_usable()
     networks = ([] if args.no_loopback else ["loopback"]) + (rates if usable else [])
-    quiet = _wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
     plan = {"sizes": sizes, "reps": args.reps if args.reps is not None else (2 if args.quick else None),
             "warmup": 1, "target_s": args.target_s, "min_reps": args.min_reps, "max_reps": args.max_reps,
             "rate_check_s": 0.3 if args.quick else 1.0, "worker_timeout_s": 550.0}
@@ -417,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workroot, ignore_errors=True)
     result["targets"] = _targets(rows, nps)
     result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
-    result["environment"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["environment"]["loadavg_at_end"] = C.loadavg()
     C.write_json(json_path, result)
     if not args.no_plot and rows:
         _plot(png_path, rows, networks, sizes, result["environment"]["cpu_count"])

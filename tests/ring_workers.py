@@ -186,3 +186,22 @@ def intruders_are_refused(rank: int, size: int) -> dict:
         ok = r.allreduce("still-works", np.ones(4, np.float32))
         r.barrier()
         return {"refused": refused, "other_loopback": other_loopback, "ok": bool(np.all(ok == size))}
+
+
+def one_rank_closes_early(rank: int, size: int, leaver: int) -> str:
+    """A rank that closes its reducer makes the others' next collective fail fast."""
+    r = make_reducer("auto", timeout_s=20.0)
+    r.allreduce("together", np.ones(8, np.float32))
+    r.barrier()
+    if rank == leaver:
+        r.close()
+        return "left"
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        r.allreduce("alone", np.ones(100_000, np.float32))
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
+    finally:
+        r.close()

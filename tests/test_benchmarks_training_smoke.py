@@ -57,6 +57,16 @@ def test_overlap_quick_writes_every_field(tmp_path: Path) -> None:
         for mode in ("sequential", "streamed"):
             kinds = {s["row"] for s in tl[mode]["ranks"]["0"]}
             assert {"compute", "hand-off", "reduce", "apply"} <= kinds, kinds
+        for r in ("0", "1"):
+            # RunConfig(stream_gradients=False) starts no reduction before the backward pass ends;
+            # the default starts some while it runs.
+            spans = {mode: tl[mode]["ranks"][r] for mode in ("sequential", "streamed")}
+            bwd_end = {mode: max(s["start_ms"] + s["dur_ms"] for s in sp if s["name"] == "backward")
+                       for mode, sp in spans.items()}
+            seq_starts = [s["start_ms"] for s in spans["sequential"] if s["row"] == "reduce"]
+            str_starts = [s["start_ms"] for s in spans["streamed"] if s["row"] == "reduce"]
+            assert min(seq_starts) >= bwd_end["sequential"] - 0.5
+            assert min(str_starts) < bwd_end["streamed"]
         assert (tmp_path / f"overlap.timeline.{network}-np2.png").stat().st_size > 0
     if usable:
         assert rows["1gbit"]["transport"] == "grpc" and rows["1gbit"]["link_rate_bps"] == 1e9
@@ -77,14 +87,15 @@ def test_end_to_end_quick_writes_every_field(tmp_path: Path) -> None:
     assert env["loadavg_at_start"] and env["loadavg_at_end"] and env["versions"]["tensorflow"]
     assert result["settings"]["impls"] == ["ring", "tf"] and result["settings"]["np"] == [2]
     assert result["settings"]["models"] == ["mnist", "large"]
+    batches = result["settings"]["plan"]["batch"]["loopback"]
     for path in ("estimator", "keras"):
         for model in ("mnist", "large"):
-            assert result["baselines"][model][path]["1"] > 0
+            assert result["baselines"][f"{model}@{batches[model]}"][path]["1"] > 0
     cells = {(r["impl"], r["model"]): r for r in result["measurements"]}
     assert set(cells) == {(i, m) for i in ("ring", "tf") for m in ("mnist", "large")}
     for (impl, model), r in cells.items():
         assert r["network"] == "loopback" and r["np"] == 2
-        assert r["global_batch"] == 2 * r["per_worker_batch"]
+        assert r["per_worker_batch"] == batches[model] and r["global_batch"] == 2 * r["per_worker_batch"]
         assert r["examples_per_s"] == pytest.approx(r["global_batch"] / (r["step_ms"] / 1e3), rel=1e-2)
         assert 0 < r["efficiency"] and set(r["rank_step_ms"]) == {"0", "1"}
         assert result["runs"]["loopback"][impl]["2"]["status"] == "ok"

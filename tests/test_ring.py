@@ -106,6 +106,18 @@ def test_dead_peer_raises_peer_lost_on_every_survivor(size, victim, transport):
             assert " after " in o and float(o.split(" after ")[1].split("s:")[0]) < 10.0, f"rank {r}: {o}"
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("size,leaver", [(2, 0), (2, 1), (4, 0), (4, 3)])
+def test_a_rank_that_closes_early_fails_the_others_fast(size, leaver):
+    outs = run_ranks(w.one_rank_closes_early, size, args=(leaver,), timeout=60)
+    for r, o in enumerate(outs):
+        if r == leaver:
+            assert o == "left"
+        else:
+            assert o.startswith("PeerLostError"), f"rank {r}: {o}"
+            assert float(o.split(" after ")[1].split("s:")[0]) < 10.0, f"rank {r}: {o}"
+
+
 @pytest.mark.timeout(60)
 def test_wrong_secret_is_refused_on_both_sides():
     outs = run_ranks_allow_failure(w.connect_with_secret, 2, args=(["right", "wrong"],), timeout=45)

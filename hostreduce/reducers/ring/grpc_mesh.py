@@ -30,6 +30,7 @@ log = logging.getLogger("hostreduce.ring")
 
 DATA, CTL, ABORT, BYE = 1, 2, 3, 4
 _SERVICE = "hostreduce.Peer"
+_DEPARTED = b"departed"
 _HEADER = 9
 
 
@@ -63,7 +64,8 @@ class GrpcMesh:
 
     def __init__(self, rank: int, addresses: tuple[str, ...], secret: str, *, bind_host: str = "",
                  timeout_s: float = 30.0, on_ctl: Callable[[int, bytes], None],
-                 on_peer_lost: Callable[[int, str], None]) -> None:
+                 on_peer_lost: Callable[[int, str], None],
+                 on_departed: Callable[[int], None] | None = None) -> None:
         self.rank = rank
         self.size = len(addresses)
         self.addresses = addresses
@@ -72,6 +74,7 @@ class GrpcMesh:
         self._timeout = timeout_s
         self._on_ctl = on_ctl
         self._on_peer_lost = on_peer_lost
+        self._on_departed = on_departed
         self._nonces = auth.NonceBook()
         self._inbox: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in range(self.size)}
         self._outbox: dict[int, queue.SimpleQueue] = {}
@@ -225,6 +228,9 @@ class GrpcMesh:
                 elif kind == BYE:
                     with self._cond:
                         self._goodbye.add(src)
+                    inbox.put(_DEPARTED)  # after every data frame it sent
+                    if self._on_departed is not None:
+                        self._on_departed(src)
             ended = "closed its connection without saying goodbye"
         except Exception as e:  # the transport raises when the peer's process dies
             ended = f"connection broke ({type(e).__name__}: {getattr(e, 'details', lambda: e)()})"
@@ -271,6 +277,10 @@ class GrpcMesh:
             ) from None
         if frame is None:
             raise PeerLostError(f"Rank {self.rank}: stopped waiting for rank {src}: the job is aborting")
+        if frame is _DEPARTED:
+            self._inbox[src].put(_DEPARTED)
+            raise PeerLostError(f"Rank {self.rank}: rank {src} ({self.addresses[src]}) closed its reducer "
+                                "while this collective still needed it")
         got = int.from_bytes(frame[1:_HEADER], "little")
         if got != tag:
             raise RuntimeError(f"ring protocol error: rank {self.rank} expected collective #{tag} from rank {src}, got #{got}")

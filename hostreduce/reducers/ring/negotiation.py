@@ -44,6 +44,7 @@ class Coordinator:
         self._clock = clock
         self._table: dict[str, dict[int, Entry]] = {}
         self._first_seen: dict[str, float] = {}
+        self._departed: set[int] = set()
         self._lock = threading.Lock()
 
     def on_ready(self, rank: int, entries: list[Entry]) -> None:
@@ -60,6 +61,27 @@ class Coordinator:
             if complete:
                 items = self._plan(complete)
                 self._send(items)
+            if self._departed:
+                self._fail_waiting_on_departed()
+
+    def mark_departed(self, rank: int) -> None:
+        """``rank`` closed its reducer: fail what waits for it, now and from now on."""
+        with self._lock:
+            self._departed.add(rank)
+            self._fail_waiting_on_departed()
+
+    def _fail_waiting_on_departed(self) -> None:
+        items = []
+        for name in [n for n, slot in self._table.items() if self._departed - set(slot)]:
+            slot = self._table.pop(name)
+            del self._first_seen[name]
+            gone = sorted(self._departed - set(slot))
+            items.append({
+                "kind": "error", "etype": "departed", "names": [name], "ranks": sorted(slot),
+                "error": f"Collective {name!r} cannot complete: ranks {gone} closed their reducers",
+            })
+        if items:
+            self._send(items)
 
     def check_stalls(self) -> None:
         """Fail collectives that some ranks submitted and others did not, after the timeout."""

@@ -147,7 +147,8 @@ class RingReducer(Reducer):
         cfg = self._config
         self._mesh = GrpcMesh(self._rank, tuple(self._cluster.addresses), cfg.secret or "",
                               bind_host=cfg.bind_host, timeout_s=cfg.timeout_s,
-                              on_ctl=self._on_ctl, on_peer_lost=self._on_peer_lost)
+                              on_ctl=self._on_ctl, on_peer_lost=self._on_peer_lost,
+                              on_departed=self._on_departed)
         self._mesh.start(cfg.connect_timeout_s)
         hello = {"t": "join", "rank": self._rank, "transport": cfg.transport,
                  "chunk_bytes": cfg.chunk_bytes, "host": socket.gethostname()}
@@ -293,6 +294,15 @@ class RingReducer(Reducer):
 
                 self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": entries}).encode())
 
+    def _on_departed(self, peer: int) -> None:
+        """A peer closed its reducer in an orderly way."""
+        if self._coordinator is not None:
+            self._coordinator.mark_departed(peer)
+        elif peer == 0:
+            # No plan can come any more; the executor fails what is still pending once it
+            # has run every plan that was already sent.
+            self._plans.put([{"kind": "departed", "names": [], "rank": 0}])
+
     def _on_peer_lost(self, peer: int, why: str) -> None:
         self._fail(PeerLostError(f"Rank {self._rank}: {why}"))
 
@@ -381,10 +391,26 @@ class RingReducer(Reducer):
 
     def _execute(self, item: dict) -> None:
         kind = item["kind"]
+        if kind == "departed":
+            time.sleep(0.2)  # plans sent just before the goodbye may still be on their way
+            while True:
+                try:
+                    more = self._plans.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._plans.put(None)
+                    break
+                for it in more:
+                    self._execute(it)
+            self._fail(PeerLostError(f"Rank {self._rank}: rank 0 (the coordinator) closed its reducer; "
+                                     "no further collectives can run"))
+            return
         if kind == "error":
             if self._rank not in item.get("ranks", [self._rank]):
                 return
-            cls = TensorMismatchError if item["etype"] == "mismatch" else CollectiveTimeoutError
+            cls = {"mismatch": TensorMismatchError, "departed": PeerLostError}.get(item["etype"],
+                                                                                 CollectiveTimeoutError)
             for p in self._take(item["names"]):
                 p.handle.set_error(cls(item["error"]))
             return
