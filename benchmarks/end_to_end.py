@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training throughput (examples/s) of hostreduce and its peers, same models, batches and data.
 
-    python benchmarks/end_to_end.py                  # N = 2, 4; loopback and a simulated 1 Gbit/s cluster (~9 min)
+    python benchmarks/end_to_end.py                  # N = 2, 4; loopback and a simulated 1 Gbit/s cluster (~8 min)
     python benchmarks/end_to_end.py --quick          # smoke run: N = 2, loopback, small batches (< 90 s)
     python benchmarks/end_to_end.py --impl ring,tf --np 2 --networks loopback --max-load 2.5
 
@@ -535,7 +535,8 @@ def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None
                             for nw in networks)
         ax.set_title(f"{model}: throughput (examples per worker {batches}; higher is better)", fontsize=9)
         ax_eff.axhline(TARGET_EFFICIENCY, ls="--", color="red", lw=0.8)
-        ax_eff.set_ylim(0, 1.1)
+        top = max([r.get("efficiency_shared_cpu", 0) for r in rows if r["model"] == model] + [1.0])
+        ax_eff.set_ylim(0, top * 1.1)
         ax_eff.set_ylabel("scaling efficiency")
         ax_eff.set_title(f"{model}: efficiency vs N independent workers at once")
     fig.suptitle("End-to-end training: hostreduce (ring, mpi) vs TensorFlow MultiWorkerMirroredStrategy and Horovod")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much of the gradient all-reduce hostreduce hides behind the backward pass.
 
-    python benchmarks/overlap.py                    # N = 2, 4; loopback, 1 and 10 Gbit/s links (~6 min)
+    python benchmarks/overlap.py                    # N = 2, 4; loopback, 1 and 10 Gbit/s links (~7 min)
     python benchmarks/overlap.py --quick            # smoke run: N = 2, loopback + 1 Gbit/s, small batch (< 90 s)
     python benchmarks/overlap.py --np 4 --networks 1gbit --max-load 2.5
 

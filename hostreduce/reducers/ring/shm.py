@@ -65,13 +65,15 @@ class _Segment:
 
 
 class _Waiter:
-    """Backs off from yielding the CPU to short sleeps; gives up on a peer failure or
-    after the timeout, naming the ranks that are late."""
+    """Backs off from yielding the CPU to sleeps that double up to 1 ms, so that a rank
+    waiting for a slow peer (one still computing its backward pass, say) leaves the
+    cores and the GIL to the work; gives up on a peer failure or after the timeout,
+    naming the ranks that are late."""
 
-    __slots__ = ("group", "what", "start", "spins")
+    __slots__ = ("group", "what", "start", "spins", "nap")
 
     def __init__(self, group: "ShmGroup", what: str) -> None:
-        self.group, self.what, self.start, self.spins = group, what, 0.0, 0
+        self.group, self.what, self.start, self.spins, self.nap = group, what, 0.0, 0, 10e-6
 
     def idle(self, late: Callable[[], list[int]]) -> None:
         self.spins += 1
@@ -89,10 +91,11 @@ class _Waiter:
                 f"Rank {self.group.rank}: ranks {late()} did not reach {self.what} within "
                 f"{self.group._timeout} s (hung or dead)"
             )
-        if waited < 0.002:
+        if waited < 100e-6:
             os.sched_yield()
         else:
-            time.sleep(20e-6 if waited < 0.05 else 500e-6)
+            time.sleep(self.nap)
+            self.nap = min(self.nap * 2, 1e-3)
 
 
 class ShmGroup:
