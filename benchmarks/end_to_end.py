@@ -619,8 +619,8 @@ def main(argv: list[str] | None = None) -> int:
             "batch": {"loopback": {"mnist": args.batch_mnist or 64, "large": args.batch_large or (32 if args.quick else 128)},
                       "cluster": {"mnist": args.batch_mnist or 64,
                                   "large": args.batch_large_cluster or (32 if args.quick else 768)}},
-            "warmup": {"mnist": 5 if args.quick else 10, "large": 2},
-            "steps": {"mnist": 10 if args.quick else 30, "large": 3 if args.quick else 4},
+            "warmup": {"mnist": 5, "large": 2},
+            "steps": {"mnist": 10 if args.quick else 20, "large": 3 if args.quick else 4},
             "baseline_np": [1] if args.quick else [1] + nps}
     out_dir = Path(args.out)
     json_path, png_path = out_dir / "end_to_end.json", out_dir / "end_to_end.png"

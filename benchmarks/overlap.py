@@ -592,12 +592,12 @@ def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
     axes[-1].set_xlim(0, xmax * 1.02)
     axes[-1].set_xlabel("ms since the step's first forward pass began")
     handles = [Patch(color=_COLORS[k], label=k) for k in ("forward", "backward", "hand-off", "reduce", "apply", "wait")]
-    fig.legend(handles=handles, loc="upper right", ncol=6, fontsize=8)
+    fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=8)
     net = row["network"]
     title = ("loopback (shared memory)" if net == "loopback" else f"simulated {NC.parse_rate(net) / 1e9:g} Gbit/s links (gRPC)")
     fig.suptitle(f"One training step per rank, N = {n}, {title}; reduce bars overlap per tensor "
                  f"(T_reduction alone {row['reduction_ms']:.0f} ms)", fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
