@@ -28,7 +28,8 @@ __all__ = ["ShmGroup"]
 
 _DIR = "/dev/shm"
 _ALIGN = 64
-_BLOCK_BYTES = 256 * 1024
+_BLOCK_BYTES = 1024 * 1024
+_SPIN_S = 1e-3   # yield the CPU this long before sleeping: peers usually arrive sooner
 
 
 class _Segment:
@@ -91,7 +92,7 @@ class _Waiter:
                 f"Rank {self.group.rank}: ranks {late()} did not reach {self.what} within "
                 f"{self.group._timeout} s (hung or dead)"
             )
-        if waited < 100e-6:
+        if waited < self.group._spin_s:
             os.sched_yield()
         else:
             time.sleep(self.nap)
@@ -120,6 +121,9 @@ class ShmGroup:
         self._direct: bool | None = None if use_cma else False
         self._direct_ops = 0
         self._probe = np.full(8, 0x5EED0000 + rank, np.int64)
+        # Spinning only pays when every rank has a core; with more ranks than cores a
+        # spinning rank takes the CPU from the peer it waits for.
+        self._spin_s = _SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
         self._seq = 0
         self._copied_base = 0
         self._reduced_base = [0] * size
