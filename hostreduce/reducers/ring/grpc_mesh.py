@@ -233,7 +233,8 @@ class GrpcMesh:
                         self._on_departed(src)
             ended = "closed its connection without saying goodbye"
         except Exception as e:  # the transport raises when the peer's process dies
-            ended = f"connection broke ({type(e).__name__}: {getattr(e, 'details', lambda: e)()})"
+            detail = e.details() if hasattr(e, "details") else str(e)
+            ended = f"connection broke ({type(e).__name__}: {detail})"
         if src not in self._goodbye and not self._closing:
             self._on_peer_lost(src, f"rank {src} ({self.addresses[src]}) {ended}")
         return b""

@@ -118,7 +118,6 @@ class RingReducer(Reducer):
             # A configuration refusal is an orderly goodbye; anything else is not.
             self._shutdown(graceful=isinstance(e, ConfigError))
             raise
-        self._chunk_elems_cache: dict[int, int] = {}
         self._stop = threading.Event()
         self._announcements: queue.SimpleQueue = queue.SimpleQueue()
         self._announce_thread = threading.Thread(target=self._announcer, name=f"hostreduce-announce-{self._rank}",
