@@ -430,3 +430,25 @@ def plot_lines(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def parse_list(text: str, conv: Any) -> list[Any]:
+    """``"a, b,c"`` -> ``[conv("a"), conv("b"), conv("c")]`` (empty items dropped)."""
+    return [conv(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def add_run_options(p: Any, results_dir: str) -> None:
+    """Options every multi-worker benchmark shares: quiet-machine wait, output, and the
+    hidden options its own worker processes are started with."""
+    import argparse
+
+    p.add_argument("--max-load", type=float, default=None,
+                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
+    p.add_argument("--max-wait-s", type=float, default=600.0)
+    p.add_argument("--out", default=results_dir)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--keep-workdir", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

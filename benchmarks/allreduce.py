@@ -437,10 +437,6 @@ def _plot(path: Path, rows: list[dict], impls: list[str], nps: list[int]) -> Non
                  title="All-reduce bus bandwidth, one host (higher is better)", ylog=True)
 
 
-def _parse_list(text: str, conv: Callable[[str], Any]) -> list[Any]:
-    return [conv(t) for t in text.split(",") if t.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -474,15 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
 
-    impls = _parse_list(args.impl, str.strip)
+    impls = C.parse_list(args.impl, str.strip)
     unknown = [i for i in impls if i not in IMPLEMENTATIONS]
     if unknown:
         p.error(f"--impl must be among {list(IMPLEMENTATIONS)}. Received: {unknown}")
-    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else [2, 4])
+    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else [2, 4])
     if any(n < 2 for n in nps):
         p.error(f"--np values must be >= 2. Received: {nps}")
     try:
-        sizes = sorted(set(_parse_list(args.sizes, C.parse_size))) if args.sizes else (
+        sizes = sorted(set(C.parse_list(args.sizes, C.parse_size))) if args.sizes else (
             QUICK_SIZES if args.quick else DEFAULT_SIZES)
     except ValueError as exc:
         p.error(str(exc))

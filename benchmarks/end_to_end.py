@@ -546,9 +546,6 @@ def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None
     plt.close(fig)
 
 
-def _parse_list(text: str, conv: Any) -> list[Any]:
-    return [conv(t.strip()) for t in text.split(",") if t.strip()]
-
 
 def _horovod_available() -> tuple[bool, str]:
     import importlib.util
@@ -577,39 +574,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="examples per worker, large model, on the simulated cluster (default 768)")
     p.add_argument("--batch-mnist", type=int, default=None, help="examples per worker, mnist model (default 64)")
     p.add_argument("--quick", action="store_true", help="smoke run (< 90 s)")
-    p.add_argument("--max-load", type=float, default=None,
-                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
-    p.add_argument("--max-wait-s", type=float, default=600.0)
     p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--keep-workdir", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--plan", help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
 
     hvd_ok, hvd_why = _horovod_available()
-    impls = _parse_list(args.impl, str) if args.impl else [i for i in IMPLS if i != "horovod" or hvd_ok]
+    impls = C.parse_list(args.impl, str) if args.impl else [i for i in IMPLS if i != "horovod" or hvd_ok]
     if args.quick and not args.impl:
         impls = ["ring", "tf"]
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         p.error(f"--impl must be among {','.join(IMPLS)}. Received: {bad}")
-    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
+    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
     if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
         p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
-    wanted = _parse_list(args.networks, str) if args.networks else (["loopback"] if args.quick else DEFAULT_NETWORKS)
+    wanted = C.parse_list(args.networks, str) if args.networks else (["loopback"] if args.quick else DEFAULT_NETWORKS)
     try:
         for nw in wanted:
             if nw != "loopback":
                 NC.parse_rate(nw)
     except NC.NetClusterError as exc:
         p.error(str(exc))
-    models = _parse_list(args.models, str) if args.models else ["mnist", "large"]
+    models = C.parse_list(args.models, str) if args.models else ["mnist", "large"]
     usable, why = NC.netns_usable()
     networks = [nw for nw in wanted if nw == "loopback" or usable]
     quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None

@@ -602,9 +602,6 @@ def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
     plt.close(fig)
 
 
-def _parse_list(text: str, conv: Any) -> list[Any]:
-    return [conv(t.strip()) for t in text.split(",") if t.strip()]
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -620,23 +617,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, metavar="NETWORK:N",
                    help="sample rank 0 with py-spy during one extra streamed round of this cell, e.g. 1gbit:4 "
                         "(summary in the JSON under pyspy_rank0_streamed)")
-    p.add_argument("--max-load", type=float, default=None,
-                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
-    p.add_argument("--max-wait-s", type=float, default=600.0)
     p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--keep-workdir", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--plan", help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
 
-    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
-    wanted = _parse_list(args.networks, str) if args.networks else (
+    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
+    wanted = C.parse_list(args.networks, str) if args.networks else (
         ["loopback", "1gbit"] if args.quick else DEFAULT_NETWORKS)
     try:
         for nw in wanted:

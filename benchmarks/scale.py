@@ -313,9 +313,6 @@ def _plot(path: Path, rows: list[dict], networks: list[str], sizes: list[int], c
     plt.close(fig)
 
 
-def _parse_list(text: str, conv: Any) -> list[Any]:
-    return [conv(t.strip()) for t in text.split(",") if t.strip()]
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -329,27 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-s", type=float, default=2.0, help="timed seconds per cell when adapting reps")
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=30)
-    p.add_argument("--max-load", type=float, default=None,
-                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
-    p.add_argument("--max-wait-s", type=float, default=600.0)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--keep-workdir", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--plan", help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
 
-    nps = _parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
+    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
     if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
         p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
     try:
-        sizes = sorted(set(_parse_list(args.sizes, C.parse_size))) if args.sizes else (
+        sizes = sorted(set(C.parse_list(args.sizes, C.parse_size))) if args.sizes else (
             QUICK_SIZES if args.quick else DEFAULT_SIZES)
-        rates = _parse_list(args.rates, str) if args.rates else (["1gbit"] if args.quick else DEFAULT_RATES)
+        rates = C.parse_list(args.rates, str) if args.rates else (["1gbit"] if args.quick else DEFAULT_RATES)
         for r in rates:
             NC.parse_rate(r)
     except (ValueError, NC.NetClusterError) as exc:
