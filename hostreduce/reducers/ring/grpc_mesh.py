@@ -24,7 +24,7 @@ import numpy as np
 from ...errors import AuthenticationError, ClusterError, PeerLostError
 from . import auth
 
-__all__ = ["GrpcMesh", "DATA", "CTL", "ABORT", "BYE"]
+__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE"]
 
 log = logging.getLogger("hostreduce.ring")
 
@@ -312,3 +312,17 @@ class GrpcMesh:
         if self._server is not None:
             self._server.stop(grace=0.5).wait(2.0)
         self.wake_all()
+
+
+class RingLink:
+    """The ring algorithm's view of the mesh: send to the next rank, receive from the
+    previous one."""
+
+    def __init__(self, mesh: GrpcMesh, nxt: int, prev: int, timeout: float) -> None:
+        self._mesh, self._next, self._prev, self._timeout = mesh, nxt, prev, timeout
+
+    def send(self, tag: int, data: np.ndarray) -> None:
+        self._mesh.send(self._next, DATA, tag, data)
+
+    def recv(self, tag: int) -> memoryview:
+        return self._mesh.recv_data(self._prev, tag, self._timeout)

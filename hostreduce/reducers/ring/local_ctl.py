@@ -82,6 +82,23 @@ class LocalControl:
         except OSError:
             pass
 
+    def send_entries(self, dst: int, rank: int, entries: list[dict]) -> None:
+        """Announce ``entries`` to ``dst`` in as few messages as fit the pipe's atomic
+        write size (the pipe to rank 0 has several writers)."""
+        import json
+
+        head = f'{{"t": "ready", "rank": {rank}, "entries": ['
+        parts: list[str] = []
+        used = len(head) + 2
+        for entry in entries:
+            text = json.dumps(entry)
+            if parts and used + len(text) + 2 > MAX_MESSAGE:
+                self.send(dst, (head + ", ".join(parts) + "]}").encode())
+                parts, used = [], len(head) + 2
+            parts.append(text)
+            used += len(text) + 2
+        self.send(dst, (head + ", ".join(parts) + "]}").encode())
+
     def _read_loop(self) -> None:
         pending = b""
         while not self._stop:

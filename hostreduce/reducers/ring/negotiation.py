@@ -12,11 +12,12 @@ Pure logic: no threads or sockets, so it is tested directly.
 """
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["Coordinator", "describe"]
+__all__ = ["Coordinator", "describe", "decide_data_path"]
 
 Entry = dict[str, Any]
 _FIELDS = {
@@ -157,3 +158,22 @@ def _fmt(field: str, value: Any) -> str:
     if field in ("shape", "inner_shape"):
         return str(tuple(value))
     return str(value)
+
+
+def decide_data_path(joins: list[dict]) -> dict:
+    """Rank 0's answer to every rank's start-up "join": the data path for the job, or
+    an error naming the setting on which the ranks disagree."""
+    joins = sorted(joins, key=lambda j: j["rank"])
+    for field in ("transport", "chunk_bytes"):
+        values = [j[field] for j in joins]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {j['rank']}: {j[field]!r}" for j in joins)
+            return {"t": "welcome", "error": f"Every worker needs the same `{field}` setting. Received: {per_rank}"}
+    same_host = len({j["host"] for j in joins}) == 1
+    transport = joins[0]["transport"]
+    if transport == "shm" and not same_host:
+        hosts = sorted({j["host"] for j in joins})
+        return {"t": "welcome", "error": f"`transport`='shm' needs every worker on one host. Received workers on {hosts}"}
+    if transport == "auto":
+        transport = "shm" if same_host else "grpc"
+    return {"t": "welcome", "transport": transport, "token": secrets.token_hex(8)}

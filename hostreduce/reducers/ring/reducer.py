@@ -11,7 +11,6 @@ import json
 import logging
 import queue
 import socket
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from ...errors import (ConfigError, PeerLostError, ReducerClosedError, TensorMis
                        CollectiveTimeoutError, HostReduceError)
 from ..base import Handle, ReduceOp, Reducer, check_array, register_reducer
 from . import algorithm
-from .negotiation import Coordinator
+from .negotiation import Coordinator, decide_data_path
 
 __all__ = ["RingReducer"]
 
@@ -39,19 +38,6 @@ class _Pending:
     op: ReduceOp
     root: int
     handle: Handle
-
-
-class _MeshLink:
-    def __init__(self, mesh: Any, nxt: int, prev: int, timeout: float) -> None:
-        self._mesh, self._next, self._prev, self._timeout = mesh, nxt, prev, timeout
-
-    def send(self, tag: int, data: np.ndarray) -> None:
-        from .grpc_mesh import DATA
-
-        self._mesh.send(self._next, DATA, tag, data)
-
-    def recv(self, tag: int) -> memoryview:
-        return self._mesh.recv_data(self._prev, tag, self._timeout)
 
 
 @register_reducer("ring")
@@ -97,7 +83,7 @@ class RingReducer(Reducer):
         self._fusion: dict[np.dtype, np.ndarray] = {}
         self._stats: collections.Counter = collections.Counter()
         self._mesh: Any = None
-        self._link: _MeshLink | None = None
+        self._link: Any = None
         self._current: list[_Pending] = []
         self._shm: Any = None
         self._local: Any = None
@@ -141,7 +127,7 @@ class RingReducer(Reducer):
 
     # ------------------------------------------------------------------ start-up
     def _start_mesh(self) -> None:
-        from .grpc_mesh import CTL, GrpcMesh
+        from .grpc_mesh import CTL, GrpcMesh, RingLink
 
         cfg = self._config
         self._mesh = GrpcMesh(self._rank, tuple(self._cluster.addresses), cfg.secret or "",
@@ -155,7 +141,7 @@ class RingReducer(Reducer):
             joins = [hello]
             while len(joins) < self._size:
                 joins.append(self._setup_get())
-            welcome = self._decide(joins)
+            welcome = decide_data_path(joins)
             if welcome.get("transport") == "shm":
                 # Shared resources exist before any peer learns their names.
                 self._open_local_paths(welcome["token"], create=True)
@@ -178,7 +164,7 @@ class RingReducer(Reducer):
                 self._shm.release_names()
                 self._local.release_names()
         nxt, prev = (self._rank + 1) % self._size, (self._rank - 1) % self._size
-        self._link = _MeshLink(self._mesh, nxt, prev, cfg.timeout_s)
+        self._link = RingLink(self._mesh, nxt, prev, cfg.timeout_s)
         log.info("rank %d/%d: ring up, data path %s", self._rank, self._size, self.transport)
 
     def _open_local_paths(self, token: str, create: bool) -> None:
@@ -207,22 +193,6 @@ class RingReducer(Reducer):
         if isinstance(msg, BaseException):
             raise msg
         return msg
-
-    def _decide(self, joins: list[dict]) -> dict:
-        joins = sorted(joins, key=lambda j: j["rank"])
-        for field in ("transport", "chunk_bytes"):
-            values = [j[field] for j in joins]
-            if any(v != values[0] for v in values):
-                per_rank = ", ".join(f"rank {j['rank']}: {j[field]!r}" for j in joins)
-                return {"t": "welcome", "error": f"Every worker needs the same `{field}` setting. Received: {per_rank}"}
-        same_host = len({j["host"] for j in joins}) == 1
-        transport = joins[0]["transport"]
-        if transport == "shm" and not same_host:
-            hosts = sorted({j["host"] for j in joins})
-            return {"t": "welcome", "error": f"`transport`='shm' needs every worker on one host. Received workers on {hosts}"}
-        if transport == "auto":
-            transport = "shm" if same_host else "grpc"
-        return {"t": "welcome", "transport": transport, "token": secrets.token_hex(8)}
 
     # ------------------------------------------------------------------ messages
     def _on_ctl(self, src: int, payload: bytes) -> None:
@@ -274,20 +244,7 @@ class RingReducer(Reducer):
                 assert self._coordinator is not None
                 self._coordinator.on_ready(0, entries)
             elif self._local is not None:
-                # Each message stays within the pipe's atomic write size.
-                from .local_ctl import MAX_MESSAGE
-
-                head = f'{{"t": "ready", "rank": {self._rank}, "entries": ['
-                parts: list[str] = []
-                used = len(head) + 2
-                for entry in entries:
-                    text = json.dumps(entry)
-                    if parts and used + len(text) + 2 > MAX_MESSAGE:
-                        self._local.send(0, (head + ", ".join(parts) + "]}").encode())
-                        parts, used = [], len(head) + 2
-                    parts.append(text)
-                    used += len(text) + 2
-                self._local.send(0, (head + ", ".join(parts) + "]}").encode())
+                self._local.send_entries(0, self._rank, entries)
             else:
                 from .grpc_mesh import CTL
 
