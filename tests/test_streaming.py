@@ -30,8 +30,12 @@ def _check_rank(events: list[dict], rank: int) -> None:
         assert this_step, f"rank {rank}: no reduction for the step at {start}"
         if this_step[0]["ts"] < end:
             overlapped += 1
-        # Backward order: the output layer's gradients are handed off before the input layer's.
-        order = [e["args"]["index"] for e in this_step]
+    # Backward order: the output layer's gradients are handed off before the input layer's.
+    # Steps run one after another (a step's host apply waits for all its 18 reductions),
+    # so the reductions sorted by start time fall into consecutive groups of 18.
+    in_time = sorted(reductions, key=lambda e: e["ts"])
+    for k in range(1, STEPS):  # the first step includes start-up work
+        order = [e["args"]["index"] for e in in_time[18 * k: 18 * (k + 1)]]
         assert order[0] >= 16 and order.index(0) >= 12, f"rank {rank}: hand-off order {order}"
     assert overlapped >= len(backward[1:]) - 1, f"rank {rank}: reductions started after the backward pass"
 
