@@ -36,7 +36,11 @@ def _check_rank(events: list[dict], rank: int) -> None:
     in_time = sorted(reductions, key=lambda e: e["ts"])
     for k in range(1, STEPS):  # the first step includes start-up work
         order = [e["args"]["index"] for e in in_time[18 * k: 18 * (k + 1)]]
-        assert order[0] >= 16 and order.index(0) >= 12, f"rank {rank}: hand-off order {order}"
+        # (TensorFlow may schedule the small bias gradients late; the kernels, 0..16 even,
+        # must still come output layer first.)
+        kernels = [i for i in order if i % 2 == 0]
+        assert order[0] >= 16 and kernels.index(0) >= 6 and kernels.index(16) <= 2, \
+            f"rank {rank}: hand-off order {order}"
     assert overlapped >= len(backward[1:]) - 1, f"rank {rank}: reductions started after the backward pass"
 
 
