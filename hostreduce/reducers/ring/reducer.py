@@ -90,6 +90,7 @@ class RingReducer(Reducer):
         self._owns_fifos = False
         self._coordinator: Coordinator | None = None
         self.transport = "local"
+        self._inline_plans = False
         if self._rank == 0:
             self._coordinator = Coordinator(self._size, self._config.fusion_threshold_bytes,
                                             self._publish_plan, self._config.timeout_s)
@@ -163,6 +164,7 @@ class RingReducer(Reducer):
             if self._rank == 0:
                 self._shm.release_names()
                 self._local.release_names()
+        self._inline_plans = self.transport == "shm" and self._rank != 0
         nxt, prev = (self._rank + 1) % self._size, (self._rank - 1) % self._size
         self._link = RingLink(self._mesh, nxt, prev, cfg.timeout_s)
         log.info("rank %d/%d: ring up, data path %s", self._rank, self._size, self.transport)
@@ -201,7 +203,12 @@ class RingReducer(Reducer):
         if t == "ready" and self._coordinator is not None:
             self._coordinator.on_ready(src, msg["entries"])
         elif t == "plan":
-            self._plans.put(msg["items"])
+            if self._inline_plans:
+                # A follower on one host: the pipe's reader thread runs the plan itself,
+                # in arrival order, saving a thread hand-off per collective.
+                self._run_items(msg["items"])
+            else:
+                self._plans.put(msg["items"])
         elif t in ("join", "welcome"):
             self._setup.put(msg)
 
@@ -217,12 +224,22 @@ class RingReducer(Reducer):
                     self._mesh.send(peer, CTL, 0, payload)
         self._plans.put(items)
 
-    def _announce(self, entry: dict) -> None:
+    def _announce(self, entry: dict, alone: bool) -> None:
+        if alone and not self._config.cycle_time_ms and self._announcements.empty():
+            # A lone collective (nothing else in flight on this rank) is announced by the
+            # submitting thread itself: one thread hand-off less on its latency.
+            try:
+                self._send_entries([entry])
+            except Exception as e:  # the pending handle carries the error
+                self._fail(PeerLostError(f"Rank {self._rank}: announcing a collective failed: "
+                                         f"{type(e).__name__}: {e}"))
+            return
         self._announcements.put(entry)
 
     def _announcer(self) -> None:
         # Sends everything submitted since the last send in one message, so that tensors
-        # submitted together reach the coordinator together and can be fused.
+        # submitted together reach the coordinator together and can be fused (after
+        # waiting cycle_time_ms for more, if set).
         cycle = self._config.cycle_time_ms / 1000.0
         while True:
             first = self._announcements.get()
@@ -240,15 +257,22 @@ class RingReducer(Reducer):
                     self._announcements.put(None)
                     break
                 entries.append(nxt)
-            if self._rank == 0:
-                assert self._coordinator is not None
-                self._coordinator.on_ready(0, entries)
-            elif self._local is not None:
-                self._local.send_entries(0, self._rank, entries)
-            else:
-                from .grpc_mesh import CTL
+            try:
+                self._send_entries(entries)
+            except Exception as e:
+                self._fail(PeerLostError(f"Rank {self._rank}: announcing a collective failed: "
+                                         f"{type(e).__name__}: {e}"))
 
-                self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": entries}).encode())
+    def _send_entries(self, entries: list[dict]) -> None:
+        if self._rank == 0:
+            assert self._coordinator is not None
+            self._coordinator.on_ready(0, entries)
+        elif self._local is not None:
+            self._local.send_entries(0, self._rank, entries)
+        else:
+            from .grpc_mesh import CTL
+
+            self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": entries}).encode())
 
     def _on_departed(self, peer: int) -> None:
         """A peer closed its reducer in an orderly way."""
@@ -295,7 +319,8 @@ class RingReducer(Reducer):
                 raise ConfigError(f"A collective named {name!r} is already in flight on rank {self._rank}; "
                                   "wait for it before submitting the name again")
             self._pending[name] = _Pending(kind, arr, out, op, root, handle)
-        self._announce(entry)
+            alone = len(self._pending) == 1
+        self._announce(entry, alone)
         return handle
 
     def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
@@ -328,17 +353,20 @@ class RingReducer(Reducer):
             items = self._plans.get()
             if items is None:
                 return
-            for item in items:
-                try:
-                    self._execute(item)
-                except Exception as e:  # an engine bug must not leave ranks hanging
-                    err = e if isinstance(e, HostReduceError) else PeerLostError(
-                        f"Rank {self._rank}: collective failed: {type(e).__name__}: {e}")
-                    self._fail(err)
-                    for p in self._current:
-                        p.handle.set_error(err)
-                finally:
-                    self._current = []
+            self._run_items(items)
+
+    def _run_items(self, items: list[dict]) -> None:
+        for item in items:
+            try:
+                self._execute(item)
+            except Exception as e:  # an engine bug must not leave ranks hanging
+                err = e if isinstance(e, HostReduceError) else PeerLostError(
+                    f"Rank {self._rank}: collective failed: {type(e).__name__}: {e}")
+                self._fail(err)
+                for p in self._current:
+                    p.handle.set_error(err)
+            finally:
+                self._current = []
 
     def _take(self, names: list[str]) -> list[_Pending]:
         with self._lock:

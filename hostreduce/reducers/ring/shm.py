@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ...errors import PeerLostError
+from . import _futex
 from .algorithm import finalize, reduce_into, segment_bounds
 from ..base import ReduceOp
 
@@ -29,7 +30,8 @@ __all__ = ["ShmGroup"]
 _DIR = "/dev/shm"
 _ALIGN = 64
 _BLOCK_BYTES = 1024 * 1024
-_SPIN_S = 1e-3   # yield the CPU this long before sleeping: peers usually arrive sooner
+_SPIN_S = 1e-3     # yield the CPU this long before sleeping, when every rank has a core
+_FUTEX_SLICE_S = 0.05   # longest single sleep: failures and the timeout are checked between
 
 
 class _Segment:
@@ -66,10 +68,11 @@ class _Segment:
 
 
 class _Waiter:
-    """Backs off from yielding the CPU to sleeps that double up to 1 ms, so that a rank
-    waiting for a slow peer (one still computing its backward pass, say) leaves the
-    cores and the GIL to the work; gives up on a peer failure or after the timeout,
-    naming the ranks that are late."""
+    """Waits for peers' counters. Yields the CPU for up to 1 ms when every rank has a core
+    (waking a sleeping process costs more than that wait, in a virtual machine above all),
+    then sleeps in the kernel on the bell word of the first late rank, which that
+    rank rings whenever it moves a counter; without futexes, sleeps that double up to
+    1 ms. Gives up on a peer failure or after the timeout, naming the late ranks."""
 
     __slots__ = ("group", "what", "start", "spins", "nap")
 
@@ -77,33 +80,40 @@ class _Waiter:
         self.group, self.what, self.start, self.spins, self.nap = group, what, 0.0, 0, 10e-6
 
     def idle(self, late: Callable[[], list[int]]) -> None:
+        g = self.group
         self.spins += 1
         if self.spins < 64:
             os.sched_yield()
             return
         if self.start == 0.0:
             self.start = time.monotonic()
-        err = self.group._failed()
+        err = g._failed()
         if err is not None:
             raise err
         waited = time.monotonic() - self.start
-        if waited > self.group._timeout:
+        if waited > g._timeout:
             raise PeerLostError(
-                f"Rank {self.group.rank}: ranks {late()} did not reach {self.what} within "
-                f"{self.group._timeout} s (hung or dead)"
+                f"Rank {g.rank}: ranks {late()} did not reach {self.what} within "
+                f"{g._timeout} s (hung or dead)"
             )
-        if waited < self.group._spin_s:
+        if waited < g._spin_s:
             os.sched_yield()
-        else:
-            time.sleep(self.nap)
-            self.nap = min(self.nap * 2, 1e-3)
+            return
+        if g._bells is not None:
+            rung = [int(b) for b in g._bells]   # read before the check: no lost wake-up
+            lag = late()
+            if lag:
+                _futex.wait(g._bell_addr[lag[0]], rung[lag[0]], min(_FUTEX_SLICE_S, g._timeout - waited + 1e-3))
+            return
+        time.sleep(self.nap)
+        self.nap = min(self.nap * 2, 1e-3)
 
 
 class ShmGroup:
     """Collectives through shared memory among ``size`` ranks of one host."""
 
     # One 64-byte line per rank for each of these control words.
-    _FIELDS = ("barrier", "copied", "reduced", "pid", "addr", "cma_ok", "done")
+    _FIELDS = ("barrier", "copied", "reduced", "pid", "addr", "cma_ok", "done", "bell")
 
     def __init__(self, rank: int, size: int, token: str, timeout_s: float,
                  failed: Callable[[], BaseException | None], use_cma: bool = True) -> None:
@@ -124,6 +134,9 @@ class ShmGroup:
         # Spinning only pays when every rank has a core; with more ranks than cores a
         # spinning rank takes the CPU from the peer it waits for.
         self._spin_s = _SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
+        self._use_futex = _futex.available()
+        self._bells: np.ndarray | None = None
+        self._bell_addr: list[int] = []
         self._seq = 0
         self._copied_base = 0
         self._reduced_base = [0] * size
@@ -149,6 +162,10 @@ class ShmGroup:
             for i, field in enumerate(self._FIELDS):
                 self._words[field] = words[i * self.size: (i + 1) * self.size]
             self._counters = self._words["barrier"]
+            bells = self._words["bell"]
+            if self._use_futex:
+                self._bells = bells
+                self._bell_addr = [bells.ctypes.data + j * bells.strides[0] for j in range(self.size)]
             self._copied = self._words["copied"]
             self._reduced = self._words["reduced"]
         return self._counters
@@ -201,7 +218,7 @@ class ShmGroup:
         seq = self._direct_ops
         w["addr"][rank] = buf.ctypes.data
         target_c = self._copied_base + 1
-        w["copied"][rank] = target_c
+        self._post("copied", target_c)
         bounds = segment_bounds(n, size)
         waiter = _Waiter(self, "a direct all-reduce (buffers published)")
         while int(w["copied"].min()) < target_c:
@@ -221,13 +238,13 @@ class ShmGroup:
                         _cma.read_into(self._pids[j], addrs[j] + a * item, t)
                         reduce_into(acc, t, op)
                 finalize(acc, op, size)
-            w["reduced"][rank] = self._reduced_base[rank] + 1
+            self._post("reduced", self._reduced_base[rank] + 1)
             for k in range(1, size):
                 j = (rank + k) % size
                 target_r = self._reduced_base[j] + 1
                 waiter = _Waiter(self, f"rank {j}'s reduced slice")
                 while int(w["reduced"][j]) < target_r:
-                    waiter.idle(lambda: [j])
+                    waiter.idle(lambda: [j] if int(w["reduced"][j]) < target_r else [])
                 a, b = bounds[j], bounds[j + 1]
                 _cma.read_into(self._pids[j], addrs[j] + a * item, buf[a:b])
         except OSError as e:
@@ -235,7 +252,7 @@ class ShmGroup:
         self._copied_base += 1
         for j in range(size):
             self._reduced_base[j] += 1
-        w["done"][rank] = seq
+        self._post("done", seq)
         waiter = _Waiter(self, "the end of a direct all-reduce")
         while int(w["done"].min()) < seq:  # peers may still be reading our slice
             waiter.idle(lambda: [j for j in range(size) if int(w["done"][j]) < seq])
@@ -246,12 +263,20 @@ class ShmGroup:
             buf = self._tmp = np.empty(max(count * dtype.itemsize, _BLOCK_BYTES), np.uint8)
         return buf[: count * dtype.itemsize].view(dtype)
 
+    def _post(self, field: str, value: int) -> None:
+        """Set this rank's ``field`` counter and ring its bell for peers waiting on it."""
+        self._words[field][self.rank] = value
+        bells = self._words["bell"]
+        bells[self.rank] += 1
+        if self._bells is not None:
+            _futex.wake(self._bell_addr[self.rank])
+
     # ------------------------------------------------------------------ sync
     def barrier(self) -> None:
         counters = self._ensure_ctl()
         self._seq += 1
         target = self._seq
-        counters[self.rank] = target
+        self._post("barrier", target)
         waiter = _Waiter(self, f"shared-memory barrier #{target}")
         while int(counters.min()) < target:
             waiter.idle(lambda: [r for r in range(self.size) if int(counters[r]) < target])
@@ -347,7 +372,7 @@ class ShmGroup:
                     mine[a:b] = parts[k][a - starts[k]: b - starts[k]]
                     k += 1
                 n_in += 1
-                copied[rank] = base_c + n_in
+                self._post("copied", base_c + n_in)
                 progressed = True
             while n_red < len(owned) and int(copied.min()) >= base_c + owned[n_red] + 1:
                 b = owned[n_red]
@@ -358,7 +383,7 @@ class ShmGroup:
                         reduce_into(acc, views[j][lo:hi], op)
                 finalize(acc, op, size)
                 n_red += 1
-                reduced[rank] = base_r[rank] + n_red
+                self._post("reduced", base_r[rank] + n_red)
                 progressed = True
             while n_out < nblocks:
                 owner = n_out % size
@@ -369,8 +394,17 @@ class ShmGroup:
                 n_out += 1
                 progressed = True
             if not progressed:
-                waiter.idle(lambda: sorted({j for j in range(size) if int(copied[j]) < base_c + nblocks}
-                                           | {j for j in range(size) if int(reduced[j]) < base_r[j] + len(range(j, nblocks, size))}))
+                def blocking() -> list[int]:
+                    # The ranks this rank waits for right now, first the one it needs next.
+                    late = []
+                    if n_red < len(owned):
+                        late += [j for j in range(size) if int(copied[j]) < base_c + owned[n_red] + 1]
+                    owner = n_out % size
+                    if int(reduced[owner]) < base_r[owner] + n_out // size + 1:
+                        late.append(owner)
+                    return late
+
+                waiter.idle(blocking)
         self._copied_base = base_c + nblocks
         for j in range(size):
             base_r[j] += len(range(j, nblocks, size))
