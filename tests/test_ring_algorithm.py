@@ -15,20 +15,28 @@ from hostreduce.reducers.ring.negotiation import Coordinator
 
 
 class MemLink:
-    def __init__(self, inboxes: list[queue.Queue], rank: int) -> None:
-        self.inboxes, self.rank = inboxes, rank
+    """In-memory mesh: one FIFO per (receiver, sender) pair, like the gRPC mesh's inboxes."""
+
+    def __init__(self, inboxes: list[list[queue.Queue]], rank: int) -> None:
+        self.inboxes, self.rank, self.size = inboxes, rank, len(inboxes)
 
     def send(self, tag: int, data: np.ndarray) -> None:
-        self.inboxes[(self.rank + 1) % len(self.inboxes)].put((tag, data.tobytes()))
+        self.send_to((self.rank + 1) % self.size, tag, data)
 
     def recv(self, tag: int) -> bytes:
-        got, payload = self.inboxes[self.rank].get(timeout=10)
+        return self.recv_from((self.rank - 1) % self.size, tag)
+
+    def send_to(self, dst: int, tag: int, data: np.ndarray) -> None:
+        self.inboxes[dst][self.rank].put((tag, data.tobytes()))
+
+    def recv_from(self, src: int, tag: int) -> bytes:
+        got, payload = self.inboxes[self.rank][src].get(timeout=10)
         assert got == tag
         return payload
 
 
 def run_ring(size: int, fn) -> list:
-    inboxes = [queue.Queue() for _ in range(size)]
+    inboxes = [[queue.Queue() for _ in range(size)] for _ in range(size)]
     results: list = [None] * size
     errors: list = []
 
@@ -44,7 +52,7 @@ def run_ring(size: int, fn) -> list:
     for t in threads:
         t.join(30)
     assert not errors, errors
-    assert all(q.empty() for q in inboxes), "ring left undelivered messages"
+    assert all(q.empty() for row in inboxes for q in row), "ring left undelivered messages"
     return results
 
 
@@ -77,11 +85,23 @@ OPS = st.sampled_from(list(ReduceOp))
 @given(size=st.integers(1, 5), n=st.integers(0, 3000), dtype=DTYPES, op=OPS,
        chunk=st.integers(1, 700), seed=st.integers(0, 2**16))
 def test_allreduce_matches_numpy_and_is_identical_on_every_rank(size, n, dtype, op, chunk, seed):
+    check_allreduce(size, n, dtype, op, seed,
+                    lambda buf, rank, link: algorithm.ring_allreduce(buf, rank, size, link, op, chunk, tag=7))
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 5), n=st.integers(0, 500), dtype=DTYPES, op=OPS, seed=st.integers(0, 2**16))
+def test_direct_allreduce_matches_numpy_and_is_identical_on_every_rank(size, n, dtype, op, seed):
+    check_allreduce(size, n, dtype, op, seed,
+                    lambda buf, rank, link: algorithm.direct_allreduce(buf, rank, size, link, op, tag=3))
+
+
+def check_allreduce(size, n, dtype, op, seed, algo) -> None:
     inputs = make_inputs(size, n, dtype, seed)
 
     def rank_fn(rank, link):
         buf = inputs[rank].copy()
-        algorithm.ring_allreduce(buf, rank, size, link, op, chunk, tag=7)
+        algo(buf, rank, link)
         return buf
 
     results = run_ring(size, rank_fn)

@@ -315,8 +315,8 @@ class GrpcMesh:
 
 
 class RingLink:
-    """The ring algorithm's view of the mesh: send to the next rank, receive from the
-    previous one."""
+    """The algorithms' view of the mesh: send to the next rank and receive from the
+    previous one (the ring), or to and from any rank (small all-reduces)."""
 
     def __init__(self, mesh: GrpcMesh, nxt: int, prev: int, timeout: float) -> None:
         self._mesh, self._next, self._prev, self._timeout = mesh, nxt, prev, timeout
@@ -326,3 +326,9 @@ class RingLink:
 
     def recv(self, tag: int) -> memoryview:
         return self._mesh.recv_data(self._prev, tag, self._timeout)
+
+    def send_to(self, dst: int, tag: int, data: np.ndarray) -> None:
+        self._mesh.send(dst, DATA, tag, data)
+
+    def recv_from(self, src: int, tag: int) -> memoryview:
+        return self._mesh.recv_data(src, tag, self._timeout)

@@ -29,6 +29,10 @@ __all__ = ["RingReducer"]
 
 log = logging.getLogger("hostreduce.ring")
 
+# Over gRPC, an all-reduce whose buffer times (N - 1) is at most this many bytes is done
+# in one exchange among all ranks (latency-bound sizes); larger ones go round the ring.
+_DIRECT_MAX_BYTES = 256 * 1024
+
 
 @dataclass
 class _Pending:
@@ -443,6 +447,8 @@ class RingReducer(Reducer):
                 off += f.size
             if self._shm is not None:
                 self._shm.allreduce_direct(work, op)
+            elif work.nbytes * (self._size - 1) <= _DIRECT_MAX_BYTES:
+                algorithm.direct_allreduce(work, self._rank, self._size, self._link, op, self._tag)
             else:
                 algorithm.ring_allreduce(work, self._rank, self._size, self._link, op,
                                          self._chunk_elems(dtype.itemsize), self._tag)
