@@ -20,7 +20,10 @@ alone (no compute): ``T_reduction``. With ``T_compute`` = the sequential step mi
 reduction phase (forward + backward + hand-off + apply):
 
 * hidden fraction = (T_sequential - T_streamed) / T_reduction (1: fully hidden);
-* T_streamed / max(T_compute, T_reduction) (1: perfect overlap).
+* T_streamed / max(T_compute, T_reduction) (1: perfect overlap);
+* the reduction's CPU time (one worker, all threads, user + system) and the hidden
+  fraction it leaves possible when the compute already fills every core:
+  1 - cpu * max(1, N / cores) / T_reduction.
 
 Networks: ``loopback`` (all workers on this host, the ring's default data path: shared
 memory) and simulated clusters (``netcluster.py``: one network namespace per worker,
