@@ -13,6 +13,7 @@ import ctypes.util
 import errno
 import os
 import platform
+import time
 
 __all__ = ["available", "wait", "wake"]
 
@@ -60,10 +61,8 @@ def wait(addr: int, expected: int, timeout_s: float) -> None:
     ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
     r = _lib()(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT,
                ctypes.c_int32(expected & 0xFFFFFFFF).value, ctypes.byref(ts), None, 0)
-    if r < 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
-            raise OSError(err, f"futex wait: {os.strerror(err)}")
+    if r < 0 and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+        time.sleep(min(timeout_s, 1e-3))  # refused here: callers re-check after a short nap
 
 
 def wake(addr: int) -> None:

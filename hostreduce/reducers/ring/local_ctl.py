@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable
 
+from ...errors import PeerLostError
+
 __all__ = ["LocalControl", "MAX_MESSAGE"]
 
 MAX_MESSAGE = select.PIPE_BUF - 4
@@ -39,8 +41,11 @@ def create_fifos(token: str, size: int) -> None:
 
 
 class LocalControl:
-    def __init__(self, rank: int, size: int, token: str, on_message: Callable[[bytes], None]) -> None:
+    def __init__(self, rank: int, size: int, token: str, on_message: Callable[[bytes], None],
+                 timeout_s: float = 30.0) -> None:
         self.rank, self.size = rank, size
+        self._timeout = timeout_s
+        self._closed = False
         self._path = _dir(token)
         st = os.stat(self._path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -61,19 +66,31 @@ class LocalControl:
         """Open the peers' FIFOs for writing (after every rank opened its own for reading)."""
         for r in range(self.size):
             if r != self.rank:
-                self._wfds[r] = os.open(os.path.join(self._path, f"{r}"), os.O_WRONLY)
+                self._wfds[r] = os.open(os.path.join(self._path, f"{r}"), os.O_WRONLY | os.O_NONBLOCK)
 
-    def send(self, dst: int, payload: bytes, atomic: bool = True) -> None:
+    def send(self, dst: int, payload: bytes, atomic: bool = True, timeout_s: float | None = None) -> None:
         """Write one message; ``atomic`` ones (to a pipe with several writers) must fit
-        in ``MAX_MESSAGE`` bytes."""
+        in ``MAX_MESSAGE`` bytes. Waits at most ``timeout_s`` (default: the reducer's
+        timeout) for room in the pipe of a peer that is not reading."""
         if atomic and len(payload) > MAX_MESSAGE:
             raise ValueError(f"control message of {len(payload)} bytes exceeds {MAX_MESSAGE}")
         data = _LEN.pack(len(payload)) + payload
+        deadline = time.monotonic() + (self._timeout if timeout_s is None else timeout_s)
         with self._lock:
+            if self._closed:
+                raise PeerLostError(f"Rank {self.rank}: the control pipes are closed")
             fd = self._wfds[dst]
             view = memoryview(data)
             while view:
-                n = os.write(fd, view)
+                try:
+                    n = os.write(fd, view)
+                except BlockingIOError:  # the pipe is full: rank dst is busy or stuck
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PeerLostError(f"Rank {self.rank}: rank {dst} read no control message for "
+                                            f"{self._timeout} s (hung or dead)") from None
+                    select.select([], [fd], [], min(left, 0.1))
+                    continue
                 view = view[n:]
 
     def release_names(self) -> None:
@@ -132,8 +149,6 @@ class LocalControl:
                     continue
                 except OSError:
                     return
-            if self._spin_s:
-                spin_until = time.monotonic() + self._spin_s
             pending += chunk
             while len(pending) >= 4:
                 (n,) = _LEN.unpack_from(pending)
@@ -141,10 +156,15 @@ class LocalControl:
                     break
                 msg, pending = pending[4: 4 + n], pending[4 + n:]
                 self._on_message(msg)
+            if self._spin_s:
+                spin_until = time.monotonic() + self._spin_s
 
     def close(self, unlink: bool) -> None:
         self._stop = True
-        self._thread.join(timeout=1.0)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        with self._lock:
+            self._closed = True
         for fd in [self._rfd, self._keep, *self._wfds.values()]:
             try:
                 os.close(fd)

@@ -88,7 +88,9 @@ class RingReducer(Reducer):
         self._stats: collections.Counter = collections.Counter()
         self._mesh: Any = None
         self._link: Any = None
-        self._current: list[_Pending] = []
+        # The collective each executing thread is running (the executor, and on a
+        # one-host follower the pipe's reader thread), to fail its handles on an error.
+        self._running = threading.local()
         self._shm: Any = None
         self._local: Any = None
         self._owns_fifos = False
@@ -184,11 +186,14 @@ class RingReducer(Reducer):
             self._owns_fifos = True
         self._shm = ShmGroup(self._rank, self._size, token, cfg.timeout_s, lambda: self._error,
                              use_cma=cfg.single_copy)
-        self._local = LocalControl(self._rank, self._size, token, self._on_local)
+        self._local = LocalControl(self._rank, self._size, token, self._on_local, cfg.timeout_s)
 
     def _on_local(self, payload: bytes) -> None:
-        msg = json.loads(payload)
-        self._on_ctl(int(msg.get("rank", 0)), payload)
+        try:
+            msg = json.loads(payload)
+            self._on_ctl(int(msg.get("rank", 0)), payload)
+        except Exception as e:  # keep the pipe's reader alive; the job cannot go on
+            self._fail(PeerLostError(f"Rank {self._rank}: control message failed: {type(e).__name__}: {e}"))
 
     def _setup_get(self) -> dict:
         try:
@@ -215,6 +220,9 @@ class RingReducer(Reducer):
                 self._plans.put(msg["items"])
         elif t in ("join", "welcome"):
             self._setup.put(msg)
+        elif t == "departed" and self._inline_plans:
+            # Rank 0's goodbye through the pipe: after every plan it sent.
+            self._run_items([{"kind": "departed", "names": [], "rank": 0}])
 
     def _publish_plan(self, items: list[dict]) -> None:
         if self._size > 1:
@@ -284,8 +292,10 @@ class RingReducer(Reducer):
             self._coordinator.mark_departed(peer)
         elif peer == 0:
             # No plan can come any more; the executor fails what is still pending once it
-            # has run every plan that was already sent.
-            self._plans.put([{"kind": "departed", "names": [], "rank": 0}])
+            # has run every plan that was already sent. Plans that go through the pipes
+            # end with rank 0's goodbye there, which does this in order; this one only
+            # waits for that, in case the goodbye is lost.
+            self._plans.put([{"kind": "departed", "names": [], "rank": 0, "wait": self._inline_plans}])
 
     def _on_peer_lost(self, peer: int, why: str) -> None:
         self._fail(PeerLostError(f"Rank {self._rank}: {why}"))
@@ -367,19 +377,24 @@ class RingReducer(Reducer):
                 err = e if isinstance(e, HostReduceError) else PeerLostError(
                     f"Rank {self._rank}: collective failed: {type(e).__name__}: {e}")
                 self._fail(err)
-                for p in self._current:
+                for p in getattr(self._running, "entries", ()):
                     p.handle.set_error(err)
             finally:
-                self._current = []
+                self._running.entries = []
 
     def _take(self, names: list[str]) -> list[_Pending]:
         with self._lock:
-            self._current = [self._pending.pop(n) for n in names if n in self._pending]
-            return self._current
+            entries = [self._pending.pop(n) for n in names if n in self._pending]
+        self._running.entries = entries
+        return entries
 
     def _execute(self, item: dict) -> None:
         kind = item["kind"]
         if kind == "departed":
+            if item.get("wait"):
+                deadline = time.monotonic() + self._config.timeout_s
+                while self._error is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
             time.sleep(0.2)  # plans sent just before the goodbye may still be on their way
             while True:
                 try:
@@ -390,7 +405,8 @@ class RingReducer(Reducer):
                     self._plans.put(None)
                     break
                 for it in more:
-                    self._execute(it)
+                    if it.get("kind") != "departed":
+                        self._execute(it)
             self._fail(PeerLostError(f"Rank {self._rank}: rank 0 (the coordinator) closed its reducer; "
                                      "no further collectives can run"))
             return
@@ -508,6 +524,15 @@ class RingReducer(Reducer):
                 self._error = ReducerClosedError(f"The 'ring' reducer on rank {self._rank} is closed")
         for p in pending.values():
             p.handle.set_error(ReducerClosedError(f"Collective {p.handle.name!r} was pending when the reducer closed"))
+        if graceful and self._rank == 0 and self._local is not None:
+            # Followers that read plans from the pipes learn of the goodbye there too,
+            # after every plan already sent.
+            bye = json.dumps({"t": "departed", "rank": 0}).encode()
+            for peer in range(1, self._size):
+                try:
+                    self._local.send(peer, bye, timeout_s=1.0)
+                except Exception:  # a follower that reads nothing learns it over gRPC
+                    pass
         self._plans.put(None)
         announcements = getattr(self, "_announcements", None)
         if announcements is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -101,7 +102,7 @@ class _Waiter:
             return
         if g._bells is not None:
             rung = [int(b) for b in g._bells]   # read before the check: no lost wake-up
-            lag = late()
+            lag = [j for j in late() if j != g.rank]  # nobody else rings this rank's bell
             if lag:
                 _futex.wait(g._bell_addr[lag[0]], rung[lag[0]], min(_FUTEX_SLICE_S, g._timeout - waited + 1e-3))
             return
@@ -165,7 +166,8 @@ class ShmGroup:
             bells = self._words["bell"]
             if self._use_futex:
                 self._bells = bells
-                self._bell_addr = [bells.ctypes.data + j * bells.strides[0] for j in range(self.size)]
+                low = 4 if sys.byteorder == "big" else 0   # the futex word is the counter's low half
+                self._bell_addr = [bells.ctypes.data + j * bells.strides[0] + low for j in range(self.size)]
             self._copied = self._words["copied"]
             self._reduced = self._words["reduced"]
         return self._counters
@@ -400,7 +402,7 @@ class ShmGroup:
                     if n_red < len(owned):
                         late += [j for j in range(size) if int(copied[j]) < base_c + owned[n_red] + 1]
                     owner = n_out % size
-                    if int(reduced[owner]) < base_r[owner] + n_out // size + 1:
+                    if owner != rank and int(reduced[owner]) < base_r[owner] + n_out // size + 1:
                         late.append(owner)
                     return late
 
