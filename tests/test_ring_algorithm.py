@@ -181,6 +181,29 @@ def test_ready_tensors_are_fused_up_to_the_threshold_by_dtype_and_op():
     assert [i["names"] for i in plans] == [["a", "b"], ["c"], ["d"], ["e", "f", "g"], ["h"]]
 
 
+def test_tensors_sent_with_their_data_form_gather_buckets_that_keep_the_data_on_rank_0():
+    plans: list[dict] = []
+    coord = Coordinator(2, 1 << 20, plans.extend, 30.0, gather_threshold=32)
+
+    def with_data(name, rank):
+        return {**entry(name), "_data": f"{name}{rank}"}
+
+    coord.on_ready(0, [with_data("a", 0), with_data("b", 0), with_data("c", 0), entry("d")])
+    coord.on_ready(1, [with_data("a", 1), with_data("b", 1), with_data("c", 1), entry("d")])
+    assert [(i["names"], i.get("gather", False)) for i in plans] == [
+        (["a", "b"], True), (["c"], True), (["d"], False)]
+    assert plans[0]["_parts"] == {"a": ["a0", "a1"], "b": ["b0", "b1"]}
+    assert "_parts" not in plans[2]
+
+
+def test_a_tensor_whose_data_only_some_ranks_sent_takes_the_ordinary_path():
+    coord, plans = coordinator()
+    coord.on_ready(0, [{**entry("a"), "_data": b"x"}])
+    coord.on_ready(1, [entry("a")])
+    (item,) = plans
+    assert item["names"] == ["a"] and "gather" not in item and "_parts" not in item
+
+
 @pytest.mark.parametrize("field,a,b,fragment", [
     ("shape", (4,), (5,), "rank 0: (4,), rank 1: (5,)"),
     ("dtype", "float32", "int32", "rank 0: float32, rank 1: int32"),

@@ -66,7 +66,7 @@ def _chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, hi)) for s in range(lo, hi, chunk)]
 
 
-def _incoming(payload: bytes | memoryview, dtype: np.dtype, n: int) -> np.ndarray:
+def incoming(payload: bytes | memoryview, dtype: np.dtype, n: int) -> np.ndarray:
     arr = np.frombuffer(payload, dtype=dtype)
     if arr.size != n:
         raise RuntimeError(f"ring protocol error: expected {n} elements from the previous rank, got {arr.size}")
@@ -87,7 +87,7 @@ def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: Reduce
             last = step == size - 2
             for lo, hi in seg((rank - step - 1) % size):
                 part = buf[lo:hi]
-                reduce_into(part, _incoming(link.recv(tag), buf.dtype, hi - lo), op)
+                reduce_into(part, incoming(link.recv(tag), buf.dtype, hi - lo), op)
                 if last:
                     finalize(part, op, size)
                 link.send(tag, part)
@@ -109,7 +109,7 @@ def direct_allreduce(buf: np.ndarray, rank: int, size: int, link: MeshLink, op: 
         parts: list[np.ndarray | None] = [None] * size
         for k in range(1, size):
             src = (rank - k) % size
-            parts[src] = _incoming(link.recv_from(src, tag), buf.dtype, buf.size)
+            parts[src] = incoming(link.recv_from(src, tag), buf.dtype, buf.size)
         mine = buf.copy()
         first = mine if rank == 0 else parts[0]
         assert first is not None
@@ -128,7 +128,7 @@ def _gather_phase(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, 
     for step in range(size - 1):
         s = (owned - step - 1) % size
         for lo, hi in _chunks(bounds[s], bounds[s + 1], chunk_elems):
-            buf[lo:hi] = _incoming(link.recv(tag), buf.dtype, hi - lo)
+            buf[lo:hi] = incoming(link.recv(tag), buf.dtype, hi - lo)
             if step < size - 2:
                 link.send(tag, buf[lo:hi])
 
@@ -155,6 +155,6 @@ def ring_broadcast(buf: np.ndarray, root: int, rank: int, size: int, link: Link,
     last = (root - 1) % size
     for lo, hi in _chunks(0, buf.size, chunk_elems):
         if rank != root:
-            buf[lo:hi] = _incoming(link.recv(tag), buf.dtype, hi - lo)
+            buf[lo:hi] = incoming(link.recv(tag), buf.dtype, hi - lo)
         if rank != last:
             link.send(tag, buf[lo:hi])

@@ -3,7 +3,8 @@
 Each rank serves one gRPC service on the address the cluster spec gives it (and only
 there) and opens one long-lived client stream to every peer. Frames on a stream are
 ``kind (1 byte) | tag (8 bytes) | payload``; data frames are queued per source for the
-ring, control frames are handed to a callback as they arrive. A stream that ends
+ring, control frames (and announcements that carry small tensors' data) are handed to
+callbacks as they arrive. A stream that ends
 without a goodbye frame means the peer died: ``on_peer_lost`` fires at once.
 
 Peers prove membership of the job with the shared secret (see ``auth``) before any
@@ -24,11 +25,11 @@ import numpy as np
 from ...errors import AuthenticationError, ClusterError, PeerLostError
 from . import auth
 
-__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE"]
+__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE", "ANNOUNCE"]
 
 log = logging.getLogger("hostreduce.ring")
 
-DATA, CTL, ABORT, BYE = 1, 2, 3, 4
+DATA, CTL, ABORT, BYE, ANNOUNCE = 1, 2, 3, 4, 5
 _SERVICE = "hostreduce.Peer"
 _DEPARTED = b"departed"
 _HEADER = 9
@@ -65,7 +66,8 @@ class GrpcMesh:
     def __init__(self, rank: int, addresses: tuple[str, ...], secret: str, *, bind_host: str = "",
                  timeout_s: float = 30.0, on_ctl: Callable[[int, bytes], None],
                  on_peer_lost: Callable[[int, str], None],
-                 on_departed: Callable[[int], None] | None = None) -> None:
+                 on_departed: Callable[[int], None] | None = None,
+                 on_announce: Callable[[int, memoryview], None] | None = None) -> None:
         self.rank = rank
         self.size = len(addresses)
         self.addresses = addresses
@@ -75,6 +77,7 @@ class GrpcMesh:
         self._on_ctl = on_ctl
         self._on_peer_lost = on_peer_lost
         self._on_departed = on_departed
+        self._on_announce = on_announce
         self._nonces = auth.NonceBook()
         self._inbox: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in range(self.size)}
         self._outbox: dict[int, queue.SimpleQueue] = {}
@@ -223,6 +226,8 @@ class GrpcMesh:
                     inbox.put(frame)
                 elif kind == CTL:
                     self._on_ctl(src, frame[_HEADER:])
+                elif kind == ANNOUNCE and self._on_announce is not None:
+                    self._on_announce(src, memoryview(frame)[_HEADER:])
                 elif kind == ABORT:
                     self._on_peer_lost(src, "aborted: " + frame[_HEADER:].decode(errors="replace"))
                 elif kind == BYE:

@@ -4,7 +4,9 @@ Every rank announces each collective it submits (name, kind, dtype, shape, op, r
 to the coordinator on rank 0. When all ranks have announced a name, the coordinator
 checks that the announcements agree and appends it to the plan that every rank then
 executes in the same order. Consecutive all-reduces of the same dtype and op that
-become ready together are fused into one bucket up to the fusion threshold.
+become ready together are fused into one bucket up to the fusion threshold. Small
+all-reduces whose data every rank sent along with its announcement (``_data``) form
+buckets of their own (up to ``gather_threshold`` bytes) that rank 0 reduces itself.
 Disagreements and collectives that some ranks never submit become error items, so
 every rank that submitted them fails with a message naming each rank's value.
 
@@ -37,9 +39,11 @@ def describe(entry: Entry) -> Entry:
 
 class Coordinator:
     def __init__(self, size: int, fusion_threshold: int, send_plan: Callable[[list[dict]], None],
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 gather_threshold: int = 1 << 20) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
+        self.gather_threshold = gather_threshold
         self._send = send_plan
         self._timeout = timeout_s
         self._clock = clock
@@ -107,12 +111,19 @@ class Coordinator:
         bucket: list[str] = []
         bucket_key: tuple | None = None
         bucket_bytes = 0
+        parts: dict[str, list[Any]] = {}
 
         def flush() -> None:
-            nonlocal bucket, bucket_key, bucket_bytes
+            nonlocal bucket, bucket_key, bucket_bytes, parts
             if bucket:
-                items.append({"kind": "allreduce", "names": bucket})
-            bucket, bucket_key, bucket_bytes = [], None, 0
+                item: dict[str, Any] = {"kind": "allreduce", "names": bucket}
+                if parts:
+                    # Every rank sent its data with the announcement: rank 0 reduces and
+                    # sends the result back (keys starting with "_" stay on rank 0).
+                    item["gather"] = True
+                    item["_parts"] = parts
+                items.append(item)
+            bucket, bucket_key, bucket_bytes, parts = [], None, 0, {}
 
         for name in names:
             slot = self._table.pop(name)
@@ -132,13 +143,17 @@ class Coordinator:
                     item["counts"] = [slot[r]["shape"][0] if slot[r]["shape"] else 1 for r in range(self.size)]
                 items.append(item)
                 continue
-            key = (ref["dtype"], ref["op"])
+            gathered = all("_data" in slot[r] for r in range(self.size))
+            key = (ref["dtype"], ref["op"], gathered)
             nbytes = ref["nbytes"]
-            if bucket and (key != bucket_key or bucket_bytes + nbytes > self.fusion_threshold):
+            limit = self.gather_threshold if gathered else self.fusion_threshold
+            if bucket and (key != bucket_key or bucket_bytes + nbytes > limit):
                 flush()
             bucket.append(name)
             bucket_key = key
             bucket_bytes += nbytes
+            if gathered:
+                parts[name] = [slot[r]["_data"] for r in range(self.size)]
         flush()
         return items
 
