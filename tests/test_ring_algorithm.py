@@ -89,13 +89,6 @@ def test_allreduce_matches_numpy_and_is_identical_on_every_rank(size, n, dtype, 
                     lambda buf, rank, link: algorithm.ring_allreduce(buf, rank, size, link, op, chunk, tag=7))
 
 
-@settings(max_examples=40, deadline=None)
-@given(size=st.integers(1, 5), n=st.integers(0, 500), dtype=DTYPES, op=OPS, seed=st.integers(0, 2**16))
-def test_direct_allreduce_matches_numpy_and_is_identical_on_every_rank(size, n, dtype, op, seed):
-    check_allreduce(size, n, dtype, op, seed,
-                    lambda buf, rank, link: algorithm.direct_allreduce(buf, rank, size, link, op, tag=3))
-
-
 def check_allreduce(size, n, dtype, op, seed, algo) -> None:
     inputs = make_inputs(size, n, dtype, seed)
 

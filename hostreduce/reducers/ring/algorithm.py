@@ -28,12 +28,6 @@ class Link(Protocol):
     def recv(self, tag: int) -> bytes | memoryview: ...
 
 
-class MeshLink(Protocol):
-    def send_to(self, dst: int, tag: int, data: np.ndarray) -> None: ...
-
-    def recv_from(self, src: int, tag: int) -> bytes | memoryview: ...
-
-
 def segment_bounds(n: int, parts: int) -> list[int]:
     """Split ``n`` elements into ``parts`` near-equal contiguous segments."""
     base, extra = divmod(n, parts)
@@ -94,31 +88,6 @@ def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: Reduce
         _gather_phase(buf, bounds, rank, size, link, (rank + 1) % size, chunk_elems, tag)
     else:
         finalize(buf, op, size)
-
-
-def direct_allreduce(buf: np.ndarray, rank: int, size: int, link: MeshLink, op: ReduceOp,
-                     tag: int = 0) -> None:
-    """All-reduce the flat array ``buf`` in place in one exchange: every rank sends its
-    buffer to every other rank and reduces all of them in rank order, so every rank
-    computes the same operations in the same order (bitwise identical results). One
-    message latency instead of the ring's 2(N-1) steps, for (N-1) times the ring's
-    traffic: the choice for small buffers."""
-    if size > 1 and buf.size:
-        for k in range(1, size):
-            link.send_to((rank + k) % size, tag, buf)
-        parts: list[np.ndarray | None] = [None] * size
-        for k in range(1, size):
-            src = (rank - k) % size
-            parts[src] = incoming(link.recv_from(src, tag), buf.dtype, buf.size)
-        mine = buf.copy()
-        first = mine if rank == 0 else parts[0]
-        assert first is not None
-        buf[:] = first
-        for j in range(1, size):
-            part = mine if j == rank else parts[j]
-            assert part is not None
-            reduce_into(buf, part, op)
-    finalize(buf, op, size)
 
 
 def _gather_phase(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, link: Link,

@@ -321,7 +321,7 @@ class GrpcMesh:
 
 class RingLink:
     """The algorithms' view of the mesh: send to the next rank and receive from the
-    previous one (the ring), or to and from any rank (small all-reduces)."""
+    previous one (the ring), or to and from any rank (rank 0's small all-reduces)."""
 
     def __init__(self, mesh: GrpcMesh, nxt: int, prev: int, timeout: float) -> None:
         self._mesh, self._next, self._prev, self._timeout = mesh, nxt, prev, timeout

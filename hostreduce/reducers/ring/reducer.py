@@ -29,12 +29,11 @@ __all__ = ["RingReducer"]
 
 log = logging.getLogger("hostreduce.ring")
 
-# Over gRPC, an all-reduce whose buffer times (N - 1) is at most this many bytes is done
-# in one exchange among all ranks (latency-bound sizes); larger ones go round the ring.
-_DIRECT_MAX_BYTES = 256 * 1024
-# Over gRPC, such small all-reduces travel with their announcement to rank 0, which
-# reduces them (in buckets of at most this many bytes) and returns the results with the
-# plan: two message latencies per collective instead of three.
+# Over gRPC, an all-reduce whose buffer times (N - 1) is at most this many bytes travels
+# with its announcement to rank 0, which reduces it (in buckets of at most
+# _GATHER_BUCKET_BYTES) and returns the result right after the plan: two message
+# latencies instead of a negotiation round trip plus the ring's 2(N-1) steps.
+_GATHER_MAX_BYTES = 256 * 1024
 _GATHER_BUCKET_BYTES = 1 << 20
 
 
@@ -369,7 +368,7 @@ class RingReducer(Reducer):
             self._pending[name] = _Pending(kind, arr, out, op, root, handle)
             alone = len(self._pending) == 1
         if (kind == "allreduce" and self.transport == "grpc"
-                and arr.nbytes * (self._size - 1) <= _DIRECT_MAX_BYTES):
+                and arr.nbytes * (self._size - 1) <= _GATHER_MAX_BYTES):
             entry["_data"] = arr  # sent along with the announcement
         self._announce(entry, alone)
         return handle
@@ -502,8 +501,6 @@ class RingReducer(Reducer):
                 off += f.size
             if self._shm is not None:
                 self._shm.allreduce_direct(work, op)
-            elif work.nbytes * (self._size - 1) <= _DIRECT_MAX_BYTES:
-                algorithm.direct_allreduce(work, self._rank, self._size, self._link, op, self._tag)
             else:
                 algorithm.ring_allreduce(work, self._rank, self._size, self._link, op,
                                          self._chunk_elems(dtype.itemsize), self._tag)
