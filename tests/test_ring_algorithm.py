@@ -223,3 +223,19 @@ def test_collective_missing_on_a_rank_times_out_with_the_ranks_named():
     (item,) = plans
     assert item["etype"] == "stall" and item["ranks"] == [0, 2]
     assert "not by ranks [1]" in item["error"]
+
+
+def test_announcement_with_data_round_trips():
+    from hostreduce.reducers.ring.grpc_mesh import decode_announcement, encode_announcement
+
+    a = np.arange(5, dtype=np.float32)
+    b = np.arange(3, dtype=np.int64).reshape(3, 1)
+    entries = [{**entry("a", shape=(5,)), "_data": a}, entry("big", shape=(4,)),
+               {**entry("b", dtype="int64", shape=(3, 1)), "_data": b}]
+    got = decode_announcement(memoryview(encode_announcement(entries)))
+    assert [e["name"] for e in got] == ["a", "big", "b"]
+    assert "_data" not in got[1] and all("inline" not in e for e in got)
+    np.testing.assert_array_equal(np.frombuffer(got[0]["_data"], np.float32), a)
+    np.testing.assert_array_equal(np.frombuffer(got[2]["_data"], np.int64), b.reshape(-1))
+    with pytest.raises(ValueError, match="does not match"):
+        decode_announcement(memoryview(encode_announcement(entries) + b"x"))

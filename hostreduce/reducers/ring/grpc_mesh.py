@@ -25,7 +25,8 @@ import numpy as np
 from ...errors import AuthenticationError, ClusterError, PeerLostError
 from . import auth
 
-__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE", "ANNOUNCE"]
+__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE", "ANNOUNCE", "encode_announcement",
+           "decode_announcement"]
 
 log = logging.getLogger("hostreduce.ring")
 
@@ -40,6 +41,34 @@ def _frame(kind: int, tag: int, payload: bytes | np.ndarray = b"") -> bytes:
     if isinstance(payload, np.ndarray):
         payload = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
     return b"".join((head, payload))
+
+
+def encode_announcement(entries: list[dict]) -> bytes:
+    """Announced entries as JSON, then the bytes of each entry's ``_data`` array (small
+    all-reduces sent along), in order; the JSON marks those entries ``inline``."""
+    meta, blobs = [], []
+    for e in entries:
+        m = {k: v for k, v in e.items() if k != "_data"}
+        if "_data" in e:
+            m["inline"] = True
+            blobs.append(memoryview(np.ascontiguousarray(e["_data"]).reshape(-1).view(np.uint8)))
+        meta.append(m)
+    head = json.dumps(meta).encode()
+    return b"".join([len(head).to_bytes(4, "little"), head, *blobs])
+
+
+def decode_announcement(payload: memoryview) -> list[dict]:
+    """The entries of ``encode_announcement``, each inline one with ``_data`` (a view)."""
+    n = int.from_bytes(payload[:4], "little")
+    entries = json.loads(bytes(payload[4:4 + n]))
+    off = 4 + n
+    for e in entries:
+        if e.pop("inline", False):
+            e["_data"] = payload[off:off + int(e["nbytes"])]
+            off += int(e["nbytes"])
+    if off != len(payload):
+        raise ValueError(f"announcement of {len(payload)} bytes does not match its entries")
+    return entries
 
 
 def _channel_options(timeout_s: float) -> list[tuple[str, Any]]:

@@ -22,7 +22,7 @@ from ...config import Config
 from ...errors import (ConfigError, PeerLostError, ReducerClosedError, TensorMismatchError,
                        CollectiveTimeoutError, HostReduceError)
 from ..base import Handle, ReduceOp, Reducer, check_array, register_reducer
-from . import algorithm
+from .datapath import DataPath
 from .negotiation import Coordinator, decide_data_path
 
 __all__ = ["RingReducer"]
@@ -87,7 +87,6 @@ class RingReducer(Reducer):
         self._error: BaseException | None = None
         self._barriers = 0
         self._tag = 0
-        self._fusion: dict[np.dtype, np.ndarray] = {}
         self._stats: collections.Counter = collections.Counter()
         self._mesh: Any = None
         self._link: Any = None
@@ -115,6 +114,7 @@ class RingReducer(Reducer):
             # A configuration refusal is an orderly goodbye; anything else is not.
             self._shutdown(graceful=isinstance(e, ConfigError))
             raise
+        self._data = DataPath(self._rank, self._size, self._config.chunk_bytes, self._link, self._shm)
         self._stop = threading.Event()
         self._announcements: queue.SimpleQueue = queue.SimpleQueue()
         self._announce_thread = threading.Thread(target=self._announcer, name=f"hostreduce-announce-{self._rank}",
@@ -287,35 +287,21 @@ class RingReducer(Reducer):
         elif self._local is not None:
             self._local.send_entries(0, self._rank, entries)
         else:
-            from .grpc_mesh import ANNOUNCE, CTL
+            from .grpc_mesh import ANNOUNCE, CTL, encode_announcement
 
             if any("_data" in e for e in entries):
-                # JSON of the entries, then the data of those marked "inline", in order.
-                meta, blobs = [], []
-                for e in entries:
-                    m = {k: v for k, v in e.items() if k != "_data"}
-                    if "_data" in e:
-                        m["inline"] = True
-                        blobs.append(memoryview(np.ascontiguousarray(e["_data"]).reshape(-1).view(np.uint8)))
-                    meta.append(m)
-                head = json.dumps(meta).encode()
-                self._mesh.send(0, ANNOUNCE, 0, b"".join([len(head).to_bytes(4, "little"), head, *blobs]))
+                self._mesh.send(0, ANNOUNCE, 0, encode_announcement(entries))
             else:
                 self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": entries}).encode())
 
     def _on_announce(self, src: int, payload: memoryview) -> None:
         """Rank 0: announcements from ``src`` with the data of its small all-reduces."""
+        from .grpc_mesh import decode_announcement
+
         try:
-            n = int.from_bytes(payload[:4], "little")
-            entries = json.loads(bytes(payload[4:4 + n]))
-            off = 4 + n
-            for e in entries:
-                if e.pop("inline", False):
-                    e["_data"] = payload[off:off + int(e["nbytes"])]
-                    off += int(e["nbytes"])
-            if off != len(payload) or self._coordinator is None:
-                raise ValueError(f"announcement of {len(payload)} bytes does not match its entries")
-            self._coordinator.on_ready(src, entries)
+            if self._coordinator is None:
+                raise ValueError("only rank 0 takes announcements")
+            self._coordinator.on_ready(src, decode_announcement(payload))
         except Exception as e:
             self._fail(PeerLostError(f"Rank {self._rank}: bad announcement from rank {src}: {type(e).__name__}: {e}"))
 
@@ -470,102 +456,26 @@ class RingReducer(Reducer):
         elif kind == "allgather":
             self._allgather(entries[0], item["counts"])
 
-    def _chunk_elems(self, itemsize: int) -> int:
-        return max(1, self._config.chunk_bytes // itemsize)
-
     def stats(self) -> dict[str, int]:
         """Counts since start: all-reduced tensors and the fused buckets that carried them."""
         return dict(self._stats)
 
-    def _allreduce(self, entries: list[_Pending], item: dict | None = None) -> None:
+    def _allreduce(self, entries: list[_Pending], item: dict) -> None:
         self._stats["allreduce_tensors"] += len(entries)
         self._stats["allreduce_buckets"] += 1
         dtype = entries[0].array.dtype
-        op = entries[0].op
         outs = [p.out if p.out is not None else np.empty(p.array.shape, dtype) for p in entries]
-        flats_in = [p.array.reshape(-1) for p in entries]
-        n = sum(f.size for f in flats_in)
-        if len(entries) == 1:
-            work = outs[0].reshape(-1)
-        else:
-            work = self._fusion_buffer(dtype, n)
-        if item is not None and item.get("gather"):
-            self._gathered_allreduce(item, flats_in, work, op)
-        elif self._shm is not None and not self._shm.direct_available():
-            self._shm.allreduce(flats_in, dtype, n, op, work)
-        else:
-            off = 0
-            for f in flats_in:
-                if work[off:off + f.size].__array_interface__["data"][0] != f.__array_interface__["data"][0]:
-                    work[off:off + f.size] = f
-                off += f.size
-            if self._shm is not None:
-                self._shm.allreduce_direct(work, op)
-            else:
-                algorithm.ring_allreduce(work, self._rank, self._size, self._link, op,
-                                         self._chunk_elems(dtype.itemsize), self._tag)
-        if len(entries) > 1:
-            off = 0
-            for o in outs:
-                o.reshape(-1)[:] = work[off:off + o.size]
-                off += o.size
+        gathered = bool(item.get("gather"))
+        parts = [item["_parts"][n] for n in item["names"]] if gathered and self._rank == 0 else None
+        self._data.allreduce([p.array for p in entries], outs, entries[0].op, self._tag, gathered, parts)
         for p, o in zip(entries, outs):
             p.handle.set_result(o)
 
-    def _gathered_allreduce(self, item: dict, flats_in: list[np.ndarray], work: np.ndarray, op: ReduceOp) -> None:
-        """Rank 0 holds every rank's data (sent with the announcements): it reduces each
-        tensor in rank order and sends the bucket's result to every other rank."""
-        if self._rank == 0:
-            parts = item["_parts"]
-            off = 0
-            for name, f in zip(item["names"], flats_in):
-                seg = work[off:off + f.size]
-                for r, data in enumerate(parts[name]):
-                    src = f if r == 0 else algorithm.incoming(data, work.dtype, f.size)
-                    if r == 0:
-                        seg[:] = src
-                    else:
-                        algorithm.reduce_into(seg, src, op)
-                algorithm.finalize(seg, op, self._size)
-                off += f.size
-            for peer in range(1, self._size):
-                self._link.send_to(peer, self._tag, work)
-        else:
-            work[:] = algorithm.incoming(self._link.recv_from(0, self._tag), work.dtype, work.size)
-
-    def _fusion_buffer(self, dtype: np.dtype, n: int) -> np.ndarray:
-        buf = self._fusion.get(dtype)
-        if buf is None or buf.size < n:
-            buf = np.empty(max(n, 1 << (max(n, 1) - 1).bit_length()), dtype)
-            self._fusion[dtype] = buf
-        return buf[:n]
-
     def _broadcast(self, p: _Pending) -> None:
-        out = np.array(p.array, copy=True, order="C")
-        flat = out.reshape(-1)
-        if self._size > 1 and flat.size:
-            if self._shm is not None:
-                self._shm.broadcast(flat, p.root)
-            else:
-                algorithm.ring_broadcast(flat, p.root, self._rank, self._size, self._link,
-                                         self._chunk_elems(out.dtype.itemsize), self._tag)
-        p.handle.set_result(out)
+        p.handle.set_result(self._data.broadcast(p.array, p.root, self._tag))
 
     def _allgather(self, p: _Pending, counts: list[int]) -> None:
-        inner = p.array.shape[1:]
-        per = int(np.prod(inner, dtype=np.int64)) if inner else 1
-        elems = [c * per for c in counts]
-        out = np.empty((sum(counts),) + inner, p.array.dtype)
-        flat = out.reshape(-1)
-        if self._shm is not None:
-            self._shm.allgather(np.ascontiguousarray(p.array).reshape(-1), elems, flat)
-        else:
-            off = sum(elems[: self._rank])
-            flat[off:off + elems[self._rank]] = p.array.reshape(-1)
-            if self._size > 1:
-                algorithm.ring_allgather(flat, elems, self._rank, self._size, self._link,
-                                         self._chunk_elems(out.dtype.itemsize), self._tag)
-        p.handle.set_result(out)
+        p.handle.set_result(self._data.allgather(p.array, counts, self._tag))
 
     # ------------------------------------------------------------------ shutdown
     def _close(self) -> None:
