@@ -63,6 +63,10 @@ class Config:
             copying through shared segments when the system forbids it).
         tune_malloc: raise glibc's malloc thresholds so that per-message buffers are
             reused instead of page-faulted in afresh (see ``reducers/ring/_malloc.py``).
+        fast_lane: on one host, a blocking ``allreduce`` with nothing else in flight on
+            its rank skips the negotiation through rank 0 when every rank submits the
+            same collective: the ranks agree through shared memory and the calling
+            threads run it (see ``reducers/ring/reducer.py``).
     """
 
     reducer: str = "ring"
@@ -77,6 +81,7 @@ class Config:
     log_level: str = ""
     single_copy: bool = True
     tune_malloc: bool = True
+    fast_lane: bool = True
 
     def __post_init__(self) -> None:
         if self.reducer not in _REDUCERS:

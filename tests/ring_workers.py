@@ -205,3 +205,53 @@ def one_rank_closes_early(rank: int, size: int, leaver: int) -> str:
         return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
     finally:
         r.close()
+
+
+def lane_mixed(rank: int, size: int, transport: str, fast_lane: bool) -> dict:
+    """Blocking all-reduces (the one-host fast lane) interleaved with collectives that
+    go through rank 0: async ones submitted in rank-dependent orders, steps where one
+    rank submits async what the others submit blocking, broadcasts and barriers."""
+    with make_reducer(transport, fast_lane=fast_lane) as r:
+        results = []
+        for step in range(40):
+            x = np.arange(1000, dtype=np.int64) * (rank + 1) + step
+            if step % 5 == 1:
+                names = [f"a{step}/{i}" for i in range(4)]
+                if rank % 2:
+                    names.reverse()
+                hs = {n: r.allreduce_async(n, x + int(n[-1]), "sum") for n in names}
+                results.append([int(hs[n].wait(60).sum()) for n in sorted(hs)])
+            elif step % 5 == 2 and rank == size - 1:
+                results.append(int(r.allreduce_async(f"b{step}", x, "max").wait(60).sum()))
+            elif step % 5 == 2:
+                results.append(int(r.allreduce(f"b{step}", x, "max").sum()))
+            elif step % 5 == 3:
+                results.append(int(r.broadcast(f"c{step}", x, root=step % size).sum()))
+            elif step == 24:
+                r.barrier()
+            else:
+                out = np.empty_like(x)
+                got = r.allreduce(f"d{step}", x, "sum", out=out)
+                assert got is out
+                results.append(int(out.sum()))
+        return {"results": results, "fast": r.stats().get("fast_lane", 0)}
+
+
+def lane_stall_then_recover(rank: int, size: int) -> list[str]:
+    """Rank 0 submits a blocking all-reduce that rank 1 never submits: rank 0 gets a
+    timeout naming rank 1, and the next collectives still run on both ranks."""
+    with make_reducer("shm", timeout_s=2.0) as r:
+        r.allreduce("warm", np.ones(4, np.float32))
+        out = []
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                r.allreduce("only-rank-0", np.ones(4, np.float32))
+                out.append("no error")
+            except Exception as e:  # the test inspects the type and message
+                out.append(f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}")
+        else:
+            time.sleep(3.0)
+        for i in range(3):
+            out.append(str(r.allreduce(f"after{i}", np.full(4, rank + 1.0, np.float32))[0]))
+        return out

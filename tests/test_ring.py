@@ -86,9 +86,10 @@ def test_fused_bucket_with_boundaries_inside_blocks(size, transport):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_mismatch_raises_on_every_rank_naming_each_value(size):
-    outs = run_ranks(w.mismatch, size, args=("grpc",), timeout=60)
+def test_mismatch_raises_on_every_rank_naming_each_value(size, transport):
+    outs = run_ranks(w.mismatch, size, args=(transport,), timeout=60)
     for o in outs:
         assert o.startswith("TensorMismatchError"), o
         assert "'w'" in o and "rank 0: (4,)" in o and "rank 1: (5,)" in o
@@ -140,3 +141,37 @@ def test_config_disagreement_is_reported_on_every_rank():
     outs = run_ranks_allow_failure(w.config_disagreement, 2, timeout=45)
     for o in outs:
         assert o.startswith("ConfigError") and "chunk_bytes" in o, o
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fast_lane", [True, False])
+@pytest.mark.parametrize("size", [2, 4])
+def test_fast_lane_interleaves_with_negotiated_collectives(size, fast_lane):
+    outs = run_ranks(w.lane_mixed, size, args=("shm", fast_lane), timeout=90)
+    assert all(o["results"] == outs[0]["results"] for o in outs)
+    x = [np.arange(1000, dtype=np.int64) * (r + 1) for r in range(size)]
+    for step, got in zip([s for s in range(40) if s != 24], outs[0]["results"]):
+        if step % 5 == 1:
+            assert got == [int(sum(xr + step + i for xr in x).sum()) for i in range(4)], step
+        elif step % 5 == 2:
+            assert got == int(np.max([xr + step for xr in x], axis=0).sum()), step
+        elif step % 5 == 3:
+            assert got == int((x[step % size] + step).sum()), step
+        else:
+            assert got == int(sum(xr + step for xr in x).sum()), step
+    if fast_lane:  # the 15 all-blocking steps take the lane on every rank (some
+        # fall back right after a negotiated step, when a rank posted no word in it)
+        assert all(o["fast"] >= 8 for o in outs), [o["fast"] for o in outs]
+    else:
+        assert all(o["fast"] == 0 for o in outs)
+
+
+@pytest.mark.timeout(60)
+def test_fast_lane_stall_times_out_naming_the_late_rank_and_recovers():
+    outs = run_ranks(w.lane_stall_then_recover, 2, timeout=45)
+    err = outs[0][0]
+    assert err.startswith("CollectiveTimeoutError"), err
+    assert "'only-rank-0'" in err and "ranks [1]" in err
+    assert float(err.split(" after ")[1].split("s:")[0]) < 5.0, err
+    for o in outs:
+        assert o[-3:] == ["3.0"] * 3, o

@@ -26,12 +26,16 @@ from . import _futex
 from .algorithm import finalize, reduce_into, segment_bounds
 from ..base import ReduceOp
 
-__all__ = ["ShmGroup"]
+__all__ = ["ShmGroup", "LANE_SLOW", "LANE_GONE"]
 
 _DIR = "/dev/shm"
 _ALIGN = 64
 _BLOCK_BYTES = 1024 * 1024
 _SPIN_S = 1e-3     # yield the CPU this long before sleeping, when every rank has a core
+# Lane words (see ``ShmGroup.lane_post``): keys are 63-bit hashes, so these never collide.
+LANE_SLOW = -1    # this rank negotiates this round through rank 0
+LANE_GONE = -2    # this rank closed its reducer
+LANE_LEFT = 1 << 62   # the round a closed rank reports: past every real one
 _FUTEX_SLICE_S = 0.05   # longest single sleep: failures and the timeout are checked between
 
 
@@ -75,10 +79,12 @@ class _Waiter:
     rank rings whenever it moves a counter; without futexes, sleeps that double up to
     1 ms. Gives up on a peer failure or after the timeout, naming the late ranks."""
 
-    __slots__ = ("group", "what", "start", "spins", "nap")
+    __slots__ = ("group", "what", "start", "spins", "nap", "on_timeout")
 
-    def __init__(self, group: "ShmGroup", what: str) -> None:
+    def __init__(self, group: "ShmGroup", what: str,
+                 on_timeout: Callable[[list[int]], BaseException] | None = None) -> None:
         self.group, self.what, self.start, self.spins, self.nap = group, what, 0.0, 0, 10e-6
+        self.on_timeout = on_timeout
 
     def idle(self, late: Callable[[], list[int]]) -> None:
         g = self.group
@@ -93,6 +99,8 @@ class _Waiter:
             raise err
         waited = time.monotonic() - self.start
         if waited > g._timeout:
+            if self.on_timeout is not None:
+                raise self.on_timeout(late())
             raise PeerLostError(
                 f"Rank {g.rank}: ranks {late()} did not reach {self.what} within "
                 f"{g._timeout} s (hung or dead)"
@@ -114,7 +122,8 @@ class ShmGroup:
     """Collectives through shared memory among ``size`` ranks of one host."""
 
     # One 64-byte line per rank for each of these control words.
-    _FIELDS = ("barrier", "copied", "reduced", "pid", "addr", "cma_ok", "done", "bell")
+    _FIELDS = ("barrier", "copied", "reduced", "pid", "addr", "cma_ok", "done", "bell",
+               "lane", "lane_k0", "lane_k1")
 
     def __init__(self, rank: int, size: int, token: str, timeout_s: float,
                  failed: Callable[[], BaseException | None], use_cma: bool = True) -> None:
@@ -258,6 +267,49 @@ class ShmGroup:
         waiter = _Waiter(self, "the end of a direct all-reduce")
         while int(w["done"].min()) < seq:  # peers may still be reading our slice
             waiter.idle(lambda: [j for j in range(size) if int(w["done"][j]) < seq])
+
+    # ------------------------------------------------------------------ fast lane
+    def lane_post(self, seq: int, key: int) -> None:
+        """Post this rank's word for lane round ``seq``: a collective's key, or LANE_SLOW.
+        Rounds alternate between two key slots, so a rank one round ahead never
+        overwrites a key that a peer has yet to read."""
+        self._ensure_ctl()
+        self._words[f"lane_k{seq % 2}"][self.rank] = key
+        self._post("lane", seq)
+
+    def lane_withdraw(self, seq: int) -> None:
+        """Turn this rank's word for round ``seq`` into LANE_SLOW (after giving up on it)."""
+        self._words[f"lane_k{seq % 2}"][self.rank] = LANE_SLOW
+
+    def lane_decided(self, seq: int) -> bool:
+        """Whether every rank has posted its word for round ``seq``."""
+        return int(self._ensure_ctl_words()["lane"].min()) >= seq
+
+    def lane_keys(self, seq: int, what: str, on_timeout: Callable[[list[int]], BaseException]) -> list[int]:
+        """Wait until every rank has posted its word for round ``seq``; return the keys.
+        ``on_timeout`` makes the error raised after the timeout, from the late ranks."""
+        lane = self._ensure_ctl_words()["lane"]
+        size = self.size
+
+        def late() -> list[int]:
+            return [j for j in range(size) if int(lane[j]) < seq]
+
+        waiter = _Waiter(self, what, on_timeout)
+        while int(lane.min()) < seq:
+            waiter.idle(late)
+        return [int(k) for k in self._words[f"lane_k{seq % 2}"]]
+
+    def lane_leave(self) -> None:
+        """At close: every later round sees this rank as gone, so no peer waits for it."""
+        if self._counters is None:
+            return
+        self._words["lane_k0"][self.rank] = LANE_GONE
+        self._words["lane_k1"][self.rank] = LANE_GONE
+        self._post("lane", LANE_LEFT)
+
+    def _ensure_ctl_words(self) -> dict[str, np.ndarray]:
+        self._ensure_ctl()
+        return self._words
 
     def _scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = getattr(self, "_tmp", None)
