@@ -39,6 +39,8 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "ring-shm": {"label": "hostreduce ring (shm)", "kind": "ring", "transport": "shm"},
     "mpi": {"label": "Open MPI Allreduce (mpi4py)", "kind": "mpi"},
     "tf-ring": {"label": "TF MultiWorkerMirrored RING", "kind": "tf"},
+    # Not an all-reduce: the bytes a ring moves, over grpcio alone (see _GrpcFloorBackend).
+    "grpc-floor": {"label": "grpcio transfer alone (floor)", "kind": "floor"},
 }
 RINGS = ("ring-grpc", "ring-shm")
 PEERS = ("mpi", "tf-ring")
@@ -67,10 +69,12 @@ TARGETS = {
 
 
 class _Cell:
-    """One preallocated buffer and the collective that reduces it."""
+    """One preallocated buffer and the collective that reduces it. ``check`` (optional)
+    replaces the comparison of the result with the expected sum."""
 
-    def __init__(self, run: Callable[[], Any], fill: Callable[[float], None], result: Callable[[], Any]):
-        self.run, self.fill, self.result = run, fill, result
+    def __init__(self, run: Callable[[], Any], fill: Callable[[float], None], result: Callable[[], Any],
+                 check: Callable[[], bool] | None = None):
+        self.run, self.fill, self.result, self.check = run, fill, result, check
 
 
 class _RingBackend:
@@ -106,6 +110,84 @@ class _RingBackend:
 
     def close(self) -> None:
         self.reducer.close()
+
+
+class _GrpcFloorBackend:
+    """The least time any ring over grpcio can take on this machine: each rank streams
+    the bytes a ring all-reduce sends per rank, 2(N-1)/N * S, to the next rank in
+    messages of the ring's chunk size over one grpcio call, while it receives as many
+    from the previous rank. No reduction, no negotiation, no step synchronization, no
+    framing or authentication of hostreduce's; glibc's malloc is tuned as the ring
+    tunes it. A hostreduce ring (gRPC) serves only for the barrier and the agreement
+    on repetitions."""
+
+    def __init__(self) -> None:
+        import queue
+        from concurrent import futures
+
+        import grpc
+        import numpy as np
+        from hostreduce.config import Config
+        from hostreduce.reducers.ring._malloc import tune_malloc
+
+        self._np = np
+        self._ring = _RingBackend("grpc")
+        self.rank, self.size = self._ring.rank, self._ring.size
+        self._chunk = Config.from_env().chunk_bytes
+        addresses = os.environ["BENCH_FLOOR_ADDRESSES"].split(",")
+        tune_malloc()
+        opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        self._received: queue.SimpleQueue = queue.SimpleQueue()
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+
+        def sink(messages: Any, context: Any) -> bytes:
+            for m in messages:
+                self._received.put(len(m))
+            return b""
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(2), options=opts)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "floor", {"Stream": grpc.stream_unary_rpc_method_handler(sink)}),))
+        if not self._server.add_insecure_port(addresses[self.rank]):
+            raise OSError(f"cannot listen on {addresses[self.rank]}")
+        self._server.start()
+        self._channel = grpc.insecure_channel(addresses[(self.rank + 1) % self.size], options=opts)
+        grpc.channel_ready_future(self._channel).result(timeout=60)
+        # One call for the whole run, as the ring keeps its streams open.
+        self._call = self._channel.stream_unary("/floor/Stream").future(iter(self._outgoing.get, None))
+
+    def prepare(self, nelem: int) -> _Cell:
+        np = self._np
+        buf = np.zeros(nelem, dtype=np.float32)
+        total = 4 * nelem * 2 * (self.size - 1) // self.size
+        payload = np.ones(total, np.uint8).tobytes()
+        messages = [payload[a:a + self._chunk] for a in range(0, total, self._chunk)]
+        got = [-1]
+
+        def run() -> None:
+            for m in messages:
+                self._outgoing.put(m)
+            n = 0
+            while n < total:
+                n += self._received.get(timeout=120)
+            got[0] = n
+
+        return _Cell(run, buf.fill, lambda: buf, check=lambda: got[0] == total)
+
+    def max_over_ranks(self, value: float) -> float:
+        return self._ring.max_over_ranks(value)
+
+    def barrier(self) -> None:
+        self._ring.barrier()
+
+    def close(self) -> None:
+        self._ring.barrier()  # every rank has received all it will
+        self._outgoing.put(None)
+        self._call.result(timeout=60)
+        self._ring.barrier()  # before any server stops
+        self._channel.close()
+        self._server.stop(1.0)
+        self._ring.close()
 
 
 class _MpiBackend:
@@ -220,6 +302,8 @@ def worker_main(args: argparse.Namespace) -> int:
             backend: Any = _RingBackend(impl["transport"])
         elif impl["kind"] == "mpi":
             backend = _MpiBackend()
+        elif impl["kind"] == "floor":
+            backend = _GrpcFloorBackend()
         else:
             backend = _TfBackend()
     except BaseException as exc:
@@ -243,7 +327,7 @@ def worker_main(args: argparse.Namespace) -> int:
             cell.fill(float(rank + 1))
             cell.run()
             res = np.asarray(cell.result())
-            correct = bool(res.shape == (nelem,) and np.all(res == expected))
+            correct = cell.check() if cell.check else bool(res.shape == (nelem,) and np.all(res == expected))
             cell.fill(0.0)  # zeros stay zeros: no overflow to inf over thousands of reps
             prepare_s = time.perf_counter() - t_prepare
             nwarm = _warmups(nbytes, quick)
@@ -292,13 +376,17 @@ def _build_job(impl: str, nranks: int, plan_path: Path, workdir: Path, timeout_s
             argv.insert(3, "--allow-run-as-root")
         return C.WorkerJob(f"{impl}-np{nranks}", [argv + _worker_argv(impl, plan_path, workdir, None)],
                            [common], workdir, timeout_s)
-    addresses = [f"127.0.0.1:{p}" for p in C.free_ports(nranks)]
+    ports = C.free_ports(2 * nranks if kind == "floor" else nranks)
+    addresses = [f"127.0.0.1:{p}" for p in ports[:nranks]]
+    floor_addresses = [f"127.0.0.1:{p}" for p in ports[nranks:]]
     secret = secrets.token_hex(16)
     argvs, envs = [], []
     for rank in range(nranks):
         env = {**common, "TF_CONFIG": C.tf_config(addresses, rank)}
-        if kind == "ring":
+        if kind in ("ring", "floor"):
             env["HOSTREDUCE_SECRET"] = secret
+        if kind == "floor":
+            env["BENCH_FLOOR_ADDRESSES"] = ",".join(floor_addresses)
         argvs.append(_worker_argv(impl, plan_path, workdir, rank))
         envs.append(env)
     return C.WorkerJob(f"{impl}-np{nranks}", argvs, envs, workdir, timeout_s)
@@ -364,6 +452,25 @@ def _ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _floor_ratios(rows: list[dict]) -> list[dict]:
+    """Against grpcio alone moving the ring's bytes: the highest ratio to TensorFlow that
+    any ring over grpcio could reach (TF time / floor time), and how close the gRPC
+    ring comes to the floor (floor time / ring time)."""
+    index = {(r["impl"], r["np"], r["bytes"]): r for r in rows}
+    out = []
+    for (impl, n, nbytes), floor in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if impl != "grpc-floor" or nbytes < TARGETS["vs_tf_min_size"]:  # a bandwidth floor
+            continue
+        row: dict[str, Any] = {"np": n, "bytes": nbytes, "size": C.format_size(nbytes), "floor_ms": floor["time_ms"]}
+        tf, ring = index.get(("tf-ring", n, nbytes)), index.get(("ring-grpc", n, nbytes))
+        if tf is not None:
+            row["tf_over_floor"] = round(tf["time_ms"] / floor["time_ms"], 3)
+        if ring is not None:
+            row["floor_over_ring_grpc"] = round(floor["time_ms"] / ring["time_ms"], 3)
+        out.append(row)
+    return out
+
+
 def _targets(rows: list[dict], ratios: list[dict]) -> list[dict]:
     checks = []
     for q in ratios:
@@ -417,6 +524,18 @@ def _print_tables(rows: list[dict], ratios: list[dict], impls: list[str], nps: l
                 vals = [rindex.get((a, b, s)) for a, b in pairs]
                 print(f"{C.format_size(s):>9} " + "".join(
                     f"| {v:>19.2f}x " if v is not None else f"| {'-':>20} " for v in vals))
+
+
+def _print_floor(floor: list[dict]) -> None:
+    if not floor:
+        return
+    print("\ngrpcio floor (the ring's bytes over grpcio alone): TF time / floor time = the highest "
+          "ratio to TF\nany ring over grpcio can reach here; floor / ring-grpc = how close the ring comes")
+    print(f"{'N':>3} {'size':>9} | {'floor ms':>9} | {'TF / floor':>10} | {'floor / ring-grpc':>17}")
+    for q in floor:
+        tf, ring = q.get("tf_over_floor"), q.get("floor_over_ring_grpc")
+        print(f"{q['np']:>3} {q['size']:>9} | {q['floor_ms']:>9.3f} | "
+              f"{(f'{tf:.2f}x' if tf is not None else '-'):>10} | {(f'{ring:.2f}' if ring is not None else '-'):>17}")
 
 
 def _bw(gbps: float) -> str:
@@ -511,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": [],
         "latency_1KiB_ms": {},
         "targets": [],
+        "grpc_floor": [],
     }
     workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-allreduce-"))
     plan_path = workroot / "plan.json"
@@ -540,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     _finish(result, impls, nps, json_path, png_path, plot=not args.no_plot)
     rows, ratios = result["measurements"], result["ratios"]
     _print_tables(rows, ratios, impls, nps)
+    _print_floor(result["grpc_floor"])
     if result["latency_1KiB_ms"]:
         print("\n1 KiB latency (ms): " + ", ".join(
             f"{k} {v:.3f}" for k, v in sorted(result["latency_1KiB_ms"].items())))
@@ -642,6 +763,7 @@ def _finish(result: dict, impls: list[str], nps: list[int], json_path: Path, png
     result["ratios"] = _ratios(rows)
     result["latency_1KiB_ms"] = {f"{r['impl']} N={r['np']}": r["time_ms"] for r in rows if r["bytes"] == C.KiB}
     result["targets"] = _targets(rows, result["ratios"])
+    result["grpc_floor"] = _floor_ratios(rows)
     C.write_json(json_path, result)
     if plot and rows:
         _plot(png_path, rows, impls, nps)

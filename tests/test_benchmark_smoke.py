@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "allreduce.py"
-IMPLS = ("ring-grpc", "ring-shm", "mpi", "tf-ring")
+IMPLS = ("ring-grpc", "ring-shm", "mpi", "tf-ring", "grpc-floor")
 
 pytestmark = [pytest.mark.mpi, pytest.mark.tf]
 
@@ -28,7 +28,7 @@ def test_allreduce_quick_writes_every_field(tmp_path: Path) -> None:
     assert (tmp_path / "allreduce.png").stat().st_size > 0
 
     for key in ("benchmark", "environment", "settings", "implementations", "measurements", "ratios",
-                "latency_1KiB_ms", "targets"):
+                "latency_1KiB_ms", "targets", "grpc_floor"):
         assert key in result, key
     env_rec = result["environment"]
     for key in ("cpu_count", "date", "command_line", "versions", "python"):
@@ -54,3 +54,8 @@ def test_allreduce_quick_writes_every_field(tmp_path: Path) -> None:
                      for s in (1024, 1 << 20)}
     assert set(result["latency_1KiB_ms"]) == {f"{i} N=2" for i in IMPLS}
     assert "N = 2" in proc.stdout and "ring-shm / mpi" in proc.stdout
+    floor = {q["bytes"]: q for q in result["grpc_floor"]}
+    assert set(floor) == {1 << 20}  # reported from 1 MiB, where the ratio to TF is held to a goal
+    for q in floor.values():
+        assert q["tf_over_floor"] > 0 and q["floor_over_ring_grpc"] > 0
+    assert "grpcio floor" in proc.stdout
