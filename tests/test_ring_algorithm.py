@@ -89,6 +89,29 @@ def test_allreduce_matches_numpy_and_is_identical_on_every_rank(size, n, dtype, 
                     lambda buf, rank, link: algorithm.ring_allreduce(buf, rank, size, link, op, chunk, tag=7))
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 3000), dtype=DTYPES, op=OPS, chunk=st.integers(1, 700), seed=st.integers(0, 2**16))
+def test_pair_exchange_matches_numpy_and_is_identical_on_both_ranks(n, dtype, op, chunk, seed):
+    check_allreduce(2, n, dtype, op, seed,
+                    lambda buf, rank, link: algorithm.pair_allreduce(buf, rank, link, op, chunk, tag=3))
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_pair_exchange_is_bitwise_identical_with_signed_zeros_and_nans(op):
+    a = np.array([0.0, -0.0, np.nan, 1.0, -np.nan, np.inf], np.float32)
+    b = np.array([-0.0, 0.0, -np.nan, np.nan, 2.0, -np.inf], np.float32)
+    b.view(np.uint32)[2] |= 0x1234  # a NaN with another payload
+
+    def rank_fn(rank, link):
+        buf = (a if rank == 0 else b).copy()
+        with np.errstate(invalid="ignore"):  # inf + -inf on purpose
+            algorithm.pair_allreduce(buf, rank, link, op, 2, tag=1)
+        return buf
+
+    r0, r1 = run_ring(2, rank_fn)
+    assert r0.tobytes() == r1.tobytes()
+
+
 def check_allreduce(size, n, dtype, op, seed, algo) -> None:
     inputs = make_inputs(size, n, dtype, seed)
 

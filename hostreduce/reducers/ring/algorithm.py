@@ -10,6 +10,11 @@ the bandwidth-optimal amount). Each segment moves in chunks and a chunk is forwa
 as soon as it is reduced, so sending, receiving and adding overlap. The rank that
 finishes a segment's reduction is the only one that computes it; every other rank
 copies its bytes, so all ranks end with bitwise identical results.
+
+With two ranks the ring degenerates to an exchange (``pair_allreduce``): each rank
+streams its whole buffer to the other and reduces what comes back. That moves the same
+bytes as reduce-scatter plus all-gather (S per rank each way) in one round instead of
+two dependent ones.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import numpy as np
 
 from ..base import ReduceOp
 
-__all__ = ["Link", "segment_bounds", "reduce_into", "finalize", "ring_allreduce", "ring_allgather", "ring_broadcast"]
+__all__ = ["Link", "segment_bounds", "reduce_into", "finalize", "ring_allreduce", "pair_allreduce",
+           "ring_allgather", "ring_broadcast"]
 
 
 class Link(Protocol):
@@ -45,6 +51,18 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
         np.minimum(dst, src, out=dst)
     else:
         np.maximum(dst, src, out=dst)
+
+
+def reduce_after(dst: np.ndarray, first: np.ndarray, op: ReduceOp) -> None:
+    """dst = first (op) dst, elementwise, in place: the same operand order as a rank
+    whose own data is ``first`` (bitwise identical results, NaN payloads and signed
+    zeros included)."""
+    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
+        np.add(first, dst, out=dst)
+    elif op is ReduceOp.MIN:
+        np.minimum(first, dst, out=dst)
+    else:
+        np.maximum(first, dst, out=dst)
 
 
 def finalize(buf: np.ndarray, op: ReduceOp, size: int) -> None:
@@ -88,6 +106,33 @@ def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: Reduce
         _gather_phase(buf, bounds, rank, size, link, (rank + 1) % size, chunk_elems, tag)
     else:
         finalize(buf, op, size)
+
+
+# Chunks a rank of a pair sends ahead of the one it reduces: enough to keep the link
+# busy through a message's latency, few enough to bound the copies queued for sending.
+PAIR_WINDOW = 16
+
+
+def pair_allreduce(buf: np.ndarray, rank: int, link: Link, op: ReduceOp, chunk_elems: int, tag: int = 0) -> None:
+    """All-reduce the flat array ``buf`` in place between two ranks (``link`` reaches the
+    other one both ways). Each chunk is sent before it is reduced into, and both ranks
+    apply ``op`` with rank 0's data as the first operand."""
+    if not buf.size:
+        return
+    chunks = _chunks(0, buf.size, chunk_elems)
+    for lo, hi in chunks[:PAIR_WINDOW]:
+        link.send(tag, buf[lo:hi])
+    for i, (lo, hi) in enumerate(chunks):
+        part = buf[lo:hi]
+        theirs = incoming(link.recv(tag), buf.dtype, hi - lo)
+        if rank == 0:
+            reduce_into(part, theirs, op)
+        else:
+            reduce_after(part, theirs, op)
+        finalize(part, op, 2)
+        if i + PAIR_WINDOW < len(chunks):
+            lo2, hi2 = chunks[i + PAIR_WINDOW]
+            link.send(tag, buf[lo2:hi2])
 
 
 def _gather_phase(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, link: Link,

@@ -1,6 +1,7 @@
 """Runs one planned collective on this rank's data path: the shared-memory group when
 every rank is on one host, else the ring over gRPC, where small all-reduces go through
-rank 0 with their announcements. The caller has already agreed with every rank on what
+rank 0 with their announcements (and two ranks exchange their buffers: the ring at
+N = 2). The caller has already agreed with every rank on what
 runs next; this module only moves and reduces the data."""
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class DataPath:
                 off += f.size
             if self._shm is not None:
                 self._shm.allreduce_direct(work, op)
+            elif self.size == 2:
+                algorithm.pair_allreduce(work, self.rank, self._link, op, self._chunk_elems(dtype.itemsize), tag)
             else:
                 algorithm.ring_allreduce(work, self.rank, self.size, self._link, op,
                                          self._chunk_elems(dtype.itemsize), tag)
