@@ -4,19 +4,12 @@ Threads: the caller submits and announces; rank 0's coordinator (driven by incom
 announcements) issues the plan; one executor thread per rank runs the plan in order
 over the ring (gRPC) or the shared-memory path, and completes the handles.
 
-Fast lane (one host): a blocking ``allreduce`` with nothing else in flight on its rank
-skips rank 0. Each rank posts a key of the collective (a hash of name, dtype, shape and
-op) in a shared-memory word for the next lane round; when every rank posted the same
-key, the calling threads run the data path at once. Any other outcome (a different
-key, a rank that negotiates through rank 0 that round) sends the collective through
-rank 0 as usual, which also reports mismatches. Rounds stay in step because a rank
-posts for round k + 1 only after every rank posted for round k, and every collective
-that goes through rank 0 is preceded by a "slow" word for the current round.
+On one host a blocking ``allreduce`` with nothing else in flight may skip rank 0 and
+run on the calling thread (``lane.py``).
 """
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import queue
@@ -34,7 +27,7 @@ from ...errors import (ConfigError, PeerLostError, ReducerClosedError, TensorMis
 from ..base import Handle, ReduceOp, Reducer, check_array, register_reducer
 from .datapath import DataPath
 from .negotiation import Coordinator, decide_data_path
-from .shm import LANE_GONE, LANE_SLOW
+from .lane import CountedHandle, FastLane, lane_key
 
 __all__ = ["RingReducer"]
 
@@ -46,30 +39,6 @@ log = logging.getLogger("hostreduce.ring")
 # latencies instead of a negotiation round trip plus the ring's 2(N-1) steps.
 _GATHER_MAX_BYTES = 256 * 1024
 _GATHER_BUCKET_BYTES = 1 << 20
-
-
-def _lane_key(name: str, arr: np.ndarray, op: ReduceOp) -> int:
-    """A collective's fast-lane key: equal on every rank iff name, dtype, shape and op are."""
-    text = f"{name}\x00{arr.dtype.str}\x00{arr.shape}\x00{op.value}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-
-class _CountedHandle(Handle):
-    """A handle that tells its reducer it finished (before its waiter wakes) while it
-    counts among the collectives negotiated through rank 0."""
-
-    __slots__ = ("_owner",)
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self._owner: "RingReducer | None" = None
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        with self._lock:
-            owner, self._owner = self._owner, None
-        if owner is not None:
-            owner._slow_finished()
-        super()._finish(result, error)
 
 
 @dataclass
@@ -134,10 +103,7 @@ class RingReducer(Reducer):
         self._coordinator: Coordinator | None = None
         self.transport = "local"
         self._inline_plans = False
-        self._lane_on = False     # the fast lane (see the module's docstring)
-        self._lane_seq = 0        # the last lane round this rank posted for
-        self._lane_busy = False   # a caller thread holds the lane: hold other submissions
-        self._held: list[dict] = []
+        self._lane: FastLane | None = None   # one host only
         self._slow_open = 0       # collectives negotiated through rank 0 and not finished
         self._slow_done = 0
         if self._rank == 0:
@@ -156,7 +122,8 @@ class RingReducer(Reducer):
             self._shutdown(graceful=isinstance(e, ConfigError))
             raise
         self._data = DataPath(self._rank, self._size, self._config.chunk_bytes, self._link, self._shm)
-        self._lane_on = self.transport == "shm" and self._config.fast_lane
+        if self.transport == "shm" and self._config.fast_lane:
+            self._lane = FastLane(self._shm, self._rank, self._config.timeout_s)
         self._stop = threading.Event()
         self._announcements: queue.SimpleQueue = queue.SimpleQueue()
         self._announce_thread = threading.Thread(target=self._announcer, name=f"hostreduce-announce-{self._rank}",
@@ -165,7 +132,7 @@ class RingReducer(Reducer):
         self._executor = threading.Thread(target=self._run, name=f"hostreduce-ring-{self._rank}", daemon=True)
         self._executor.start()
         self._watchdog: threading.Thread | None = None
-        if (self._coordinator is not None and self._size > 1) or self._lane_on:
+        if (self._coordinator is not None and self._size > 1) or self._lane is not None:
             self._watchdog = threading.Thread(target=self._watch, name="hostreduce-watchdog", daemon=True)
             self._watchdog.start()
 
@@ -380,15 +347,15 @@ class RingReducer(Reducer):
         while not self._stop.wait(0.5):
             if self._coordinator is not None:
                 self._coordinator.check_stalls()
-            if self._lane_on:
+            if self._lane is not None:
                 with self._lock:
                     stuck = self._slow_open and self._slow_done == finished
                     finished = self._slow_done
-                    if stuck and not self._lane_busy and self._error is None:
+                    if stuck and self._error is None:
                         # A peer that fell back from the lane may wait for this rank's
                         # word of the next round while this rank waits on rank 0.
                         try:
-                            self._lane_note_slow()
+                            self._lane.note_slow()
                         except OSError:  # closing: the shared words are gone
                             return
 
@@ -396,18 +363,19 @@ class RingReducer(Reducer):
     def _submit(self, name: str, kind: str, arr: np.ndarray, out: np.ndarray | None,
                 op: ReduceOp, root: int) -> Handle:
         self._check_open()
-        handle = _CountedHandle(name)
+        handle = CountedHandle(name)
         entry = self._entry(name, kind, arr, op, root)
         with self._lock:
             self._admit(name)
             self._pending[name] = _Pending(kind, arr, out, op, root, handle)
             self._slow_open += 1
             handle._owner = self
-            if self._lane_busy:  # announced when the lane is released
-                self._held.append(entry)
-                return handle
+            if self._lane is not None:
+                if self._lane.busy:  # announced when the lane is released
+                    self._lane.held.append(entry)
+                    return handle
+                self._lane.note_slow()
             alone = len(self._pending) == 1
-            self._lane_note_slow()
         if (kind == "allreduce" and self.transport == "grpc"
                 and arr.nbytes * (self._size - 1) <= _GATHER_MAX_BYTES):
             entry["_data"] = arr  # sent along with the announcement
@@ -433,60 +401,44 @@ class RingReducer(Reducer):
             self._slow_done += 1
 
     # ------------------------------------------------------------------ fast lane
-    def _lane_note_slow(self) -> None:
-        """Under the lock, before a collective goes through rank 0: post a "slow" word
-        for the next round, unless this rank's word for the current round is still
-        undecided (it is then a "slow" word already)."""
-        if self._lane_on and self._shm.lane_decided(self._lane_seq):
-            self._lane_seq += 1
-            self._shm.lane_post(self._lane_seq, LANE_SLOW)
-
     def allreduce(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
                   out: np.ndarray | None = None) -> np.ndarray:
-        if not self._lane_on:
+        lane = self._lane
+        if lane is None:
             return super().allreduce(name, array, op, out)
         arr = check_array(name, array)
         self._check_out(name, arr, out)
         rop = ReduceOp.parse(op)
         self._check_open()
-        handle = _CountedHandle(name)
+        handle = CountedHandle(name)
         with self._lock:
             self._admit(name)
-            fast = (not self._pending and not self._slow_open and not self._lane_busy
-                    and self._shm.lane_decided(self._lane_seq))
+            fast = not self._pending and not self._slow_open and lane.open()
             if fast:
-                key = _lane_key(name, arr, rop)
+                key = lane_key(name, arr, rop)
                 self._pending[name] = _Pending("allreduce", arr, out, rop, 0, handle)
-                self._lane_busy = True
-                self._lane_seq += 1
-                seq = self._lane_seq
-                self._shm.lane_post(seq, key)
+                seq = lane.enter(key)
         if not fast:
             return self.allreduce_async(name, arr, rop, out).wait()
         try:
-            self._lane_run(name, arr, rop, key, seq, handle)
+            self._lane_run(lane, name, arr, rop, key, seq, handle)
         finally:
-            self._lane_release()
+            with self._lock:
+                held = lane.release()
+            for entry in held:
+                self._announce(entry, False)
         return handle.wait()
 
-    def _lane_run(self, name: str, arr: np.ndarray, op: ReduceOp, key: int, seq: int,
-                  handle: _CountedHandle) -> None:
-        timeout = self._config.timeout_s
+    def _lane_run(self, lane: FastLane, name: str, arr: np.ndarray, op: ReduceOp, key: int, seq: int,
+                  handle: CountedHandle) -> None:
         try:
-            keys = self._shm.lane_keys(seq, f"collective {name!r}", lambda late: CollectiveTimeoutError(
-                f"Collective {name!r} was submitted by rank {self._rank} but not by ranks {late} within "
-                f"{timeout} s (every rank must submit the same collectives)"))
-            gone = [j for j, k in enumerate(keys) if k == LANE_GONE]
-            if gone:
-                raise PeerLostError(f"Rank {self._rank}: collective {name!r} cannot complete: ranks {gone} "
-                                    "closed their reducers")
+            agreed = lane.agree(seq, key, name)
         except BaseException as e:
-            self._shm.lane_withdraw(seq)
             with self._lock:
                 self._pending.pop(name, None)
             handle.set_error(e)
             return
-        if all(k == key for k in keys):
+        if agreed:
             self._stats["fast_lane"] += 1
             self._run_items([{"kind": "allreduce", "names": [name]}])
             return
@@ -497,15 +449,6 @@ class RingReducer(Reducer):
             self._slow_open += 1
             handle._owner = self
         self._announce(self._entry(name, "allreduce", arr, op, 0), True)
-
-    def _lane_release(self) -> None:
-        with self._lock:
-            self._lane_busy = False
-            held, self._held = self._held, []
-            if held:
-                self._lane_note_slow()
-        for entry in held:
-            self._announce(entry, False)
 
     def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
                         out: np.ndarray | None = None) -> Handle:
