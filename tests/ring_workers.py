@@ -137,9 +137,10 @@ def connect_with_secret(rank: int, size: int, secrets: list[str]) -> str:
         return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
 
 
-def config_disagreement(rank: int, size: int) -> str:
+def config_disagreement(rank: int, size: int, field: str) -> str:
+    value = {"chunk_bytes": 65536 * (rank + 1), "fast_lane": rank == 0, "single_copy": rank == 0}[field]
     try:
-        make_reducer("grpc", chunk_bytes=65536 * (rank + 1), connect_timeout_s=10.0).close()
+        make_reducer("grpc" if field == "chunk_bytes" else "shm", connect_timeout_s=10.0, **{field: value}).close()
         return "no error"
     except Exception as e:
         return f"{type(e).__name__}: {e}"
@@ -255,3 +256,22 @@ def lane_stall_then_recover(rank: int, size: int) -> list[str]:
         for i in range(3):
             out.append(str(r.allreduce(f"after{i}", np.full(4, rank + 1.0, np.float32))[0]))
         return out
+
+
+def lane_after_async_bursts(rank: int, size: int) -> dict:
+    """A training-like loop: a burst of async all-reduces, then a blocking one, each step.
+    Ranks drift in time (rank-dependent sleeps). Returns the lane count and the slowest
+    step, so the test can check that blocking calls take the lane and nothing stalls."""
+    with make_reducer("shm") as r:
+        worst, total = 0.0, 0.0
+        for step in range(30):
+            time.sleep(0.002 * ((rank + step) % 3))
+            start = time.monotonic()
+            hs = [r.allreduce_async(f"g{i}", np.full(100, float(rank), np.float32)) for i in range(3)]
+            for h in hs:
+                h.wait(30)
+            loss = r.allreduce("loss", np.full(4, rank + 1.0, np.float32))
+            assert float(loss[0]) == size * (size + 1) / 2
+            took = time.monotonic() - start
+            worst, total = max(worst, took), total + took
+        return {"fast": r.stats().get("fast_lane", 0), "worst_s": worst, "total_s": total}

@@ -99,6 +99,10 @@ class Handle:
             raise self._error
         return self._result
 
+    def wait_done(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; whether the collective has finished (no raise)."""
+        return self._event.wait(timeout)
+
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         with self._lock:
             if not self._event.is_set():

@@ -20,6 +20,7 @@ which runs while this rank holds the lane (``busy``).
 from __future__ import annotations
 
 import hashlib
+import platform
 from typing import Any
 
 import numpy as np
@@ -61,33 +62,61 @@ class FastLane:
     def __init__(self, shm: Any, rank: int, timeout_s: float) -> None:
         self._shm, self._rank, self._timeout = shm, rank, timeout_s
         self._seq = 0          # the last round this rank posted for
+        self._slow = True      # whether that word is "slow" (round 0: every word is)
         self.busy = False      # a caller thread holds the lane: other submissions wait
         self.held: list[dict] = []
 
+    @staticmethod
+    def supported() -> bool:
+        """The words are published with plain stores (a key, then its round number), which
+        readers see in that order only under x86-64's memory ordering."""
+        return platform.machine().lower() in ("x86_64", "amd64")
+
     def open(self) -> bool:
-        """Whether this rank may post for the next round now."""
-        return not self.busy and self._shm.lane_decided(self._seq)
+        """Whether this rank may post a key for the next round now. A round for which a
+        peer already posted "slow" is lost to the lane: this rank completes it with a
+        "slow" word of its own and looks at the one after (so ranks that fell out of
+        step get back in step instead of missing each other round after round)."""
+        if self.busy:
+            return False
+        for _ in range(4):  # peers are at most one round ahead: two passes suffice
+            if not self._shm.lane_decided(self._seq):
+                return False
+            if not self._shm.lane_slow_posted(self._seq + 1):
+                return True
+            self._post_slow()
+        return False
 
     def note_slow(self) -> None:
-        """Before a collective goes through rank 0: post a "slow" word for the next round,
-        unless this rank's word for the current round is still undecided (it is then a
-        "slow" word already)."""
-        if not self.busy and self._shm.lane_decided(self._seq):
-            self._seq += 1
-            self._shm.lane_post(self._seq, LANE_SLOW)
+        """Before a collective goes through rank 0 (and when negotiated work stalls): post
+        a "slow" word for the next round, so that a peer waiting there on the lane falls
+        back. Only when it can matter: this rank's word is a key, or a peer has posted a
+        later round; otherwise ranks would drift apart by the number of "slow" words."""
+        if self.busy or not self._shm.lane_decided(self._seq):
+            return
+        if self._slow and self._shm.lane_latest() <= self._seq:
+            return
+        self._post_slow()
+
+    def _post_slow(self) -> None:
+        self._seq += 1
+        self._slow = True
+        self._shm.lane_post(self._seq, LANE_SLOW)
 
     def enter(self, key: int) -> int:
-        """Take the lane and post ``key`` for the next round (after ``open()``)."""
+        """Post ``key`` for the next round (the caller set ``busy`` after ``open()``)."""
         self.busy = True
         self._seq += 1
+        self._slow = False
         self._shm.lane_post(self._seq, key)
         return self._seq
 
     def agree(self, seq: int, key: int, name: str) -> bool:
         """Wait for every rank's word of round ``seq``: True when all posted ``key``.
-        Raises CollectiveTimeoutError (ranks that posted nothing within the timeout) or
-        PeerLostError (a rank closed, or this rank's reducer failed); this rank's word
-        then turns "slow"."""
+        Otherwise this rank also posts "slow" for the next round at once (its peers may
+        want the lane there while it negotiates). Raises CollectiveTimeoutError (ranks
+        that posted nothing within the timeout) or PeerLostError (a rank closed, or this
+        rank's reducer failed); this rank's word then turns "slow"."""
         timeout = self._timeout
         try:
             keys = self._shm.lane_keys(seq, f"collective {name!r}", lambda late: CollectiveTimeoutError(
@@ -99,13 +128,18 @@ class FastLane:
                                     "closed their reducers")
         except BaseException:
             self._shm.lane_withdraw(seq)
+            self._slow = True
             raise
-        return all(k == key for k in keys)
+        if all(k == key for k in keys):
+            return True
+        self._post_slow()
+        return False
 
-    def release(self) -> list[dict]:
-        """Give the lane back; returns the submissions held meanwhile (to announce)."""
+    def release(self, announce: bool = True) -> list[dict]:
+        """Give the lane back; returns the submissions held meanwhile (to announce, which
+        this rank first marks with a "slow" word; not when the reducer is failing)."""
         self.busy = False
         held, self.held = self.held, []
-        if held:
+        if held and announce:
             self.note_slow()
         return held

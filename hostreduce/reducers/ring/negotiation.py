@@ -179,10 +179,10 @@ def decide_data_path(joins: list[dict]) -> dict:
     """Rank 0's answer to every rank's start-up "join": the data path for the job, or
     an error naming the setting on which the ranks disagree."""
     joins = sorted(joins, key=lambda j: j["rank"])
-    for field in ("transport", "chunk_bytes"):
-        values = [j[field] for j in joins]
+    for field in ("transport", "chunk_bytes", "fast_lane", "single_copy"):
+        values = [j.get(field) for j in joins]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {j['rank']}: {j[field]!r}" for j in joins)
+            per_rank = ", ".join(f"rank {j['rank']}: {j.get(field)!r}" for j in joins)
             return {"t": "welcome", "error": f"Every worker needs the same `{field}` setting. Received: {per_rank}"}
     same_host = len({j["host"] for j in joins}) == 1
     transport = joins[0]["transport"]

@@ -122,7 +122,7 @@ class RingReducer(Reducer):
             self._shutdown(graceful=isinstance(e, ConfigError))
             raise
         self._data = DataPath(self._rank, self._size, self._config.chunk_bytes, self._link, self._shm)
-        if self.transport == "shm" and self._config.fast_lane:
+        if self.transport == "shm" and self._config.fast_lane and FastLane.supported():
             self._lane = FastLane(self._shm, self._rank, self._config.timeout_s)
         self._stop = threading.Event()
         self._announcements: queue.SimpleQueue = queue.SimpleQueue()
@@ -155,8 +155,8 @@ class RingReducer(Reducer):
                               on_ctl=self._on_ctl, on_peer_lost=self._on_peer_lost,
                               on_departed=self._on_departed, on_announce=self._on_announce)
         self._mesh.start(cfg.connect_timeout_s)
-        hello = {"t": "join", "rank": self._rank, "transport": cfg.transport,
-                 "chunk_bytes": cfg.chunk_bytes, "host": socket.gethostname()}
+        hello = {"t": "join", "rank": self._rank, "transport": cfg.transport, "chunk_bytes": cfg.chunk_bytes,
+                 "fast_lane": cfg.fast_lane, "single_copy": cfg.single_copy, "host": socket.gethostname()}
         if self._rank == 0:
             joins = [hello]
             while len(joins) < self._size:
@@ -343,21 +343,28 @@ class RingReducer(Reducer):
         self._setup.put(err)
 
     def _watch(self) -> None:
-        finished = -1
-        while not self._stop.wait(0.5):
-            if self._coordinator is not None:
-                self._coordinator.check_stalls()
-            if self._lane is not None:
-                with self._lock:
-                    stuck = self._slow_open and self._slow_done == finished
-                    finished = self._slow_done
-                    if stuck and self._error is None:
-                        # A peer that fell back from the lane may wait for this rank's
-                        # word of the next round while this rank waits on rank 0.
-                        try:
-                            self._lane.note_slow()
-                        except OSError:  # closing: the shared words are gone
-                            return
+        # Stalls are checked every 0.5 s; a rank on one host also looks every 50 ms for
+        # negotiated work that made no progress, while a peer may wait on its lane word.
+        finished, tick = -1, 0
+        while not self._stop.wait(0.05 if self._lane is not None else 0.5):
+            tick += 1
+            try:
+                finished = self._watch_once(finished, self._lane is None or tick % 10 == 0)
+            except Exception as e:  # keep watching: peers may depend on this thread
+                log.warning("rank %d: watchdog: %s: %s", self._rank, type(e).__name__, e)
+
+    def _watch_once(self, finished: int, stalls: bool) -> int:
+        if self._coordinator is not None and stalls:
+            self._coordinator.check_stalls()
+        if self._lane is not None:
+            with self._lock:
+                stuck = self._slow_open and self._slow_done == finished
+                finished = self._slow_done
+                if stuck and self._error is None:
+                    # A peer that wants the lane may wait for this rank's word of the
+                    # next round while this rank waits on rank 0.
+                    self._lane.note_slow()
+        return finished
 
     # ------------------------------------------------------------------ submission
     def _submit(self, name: str, kind: str, arr: np.ndarray, out: np.ndarray | None,
@@ -415,18 +422,36 @@ class RingReducer(Reducer):
             self._admit(name)
             fast = not self._pending and not self._slow_open and lane.open()
             if fast:
-                key = lane_key(name, arr, rop)
                 self._pending[name] = _Pending("allreduce", arr, out, rop, 0, handle)
-                seq = lane.enter(key)
+                lane.busy = True
         if not fast:
-            return self.allreduce_async(name, arr, rop, out).wait()
+            return self._await_negotiated(self.allreduce_async(name, arr, rop, out))
         try:
-            self._lane_run(lane, name, arr, rop, key, seq, handle)
+            key = lane_key(name, arr, rop)
+            self._lane_run(lane, name, arr, rop, key, lane.enter(key), handle)
+        except BaseException as e:
+            # Interrupted (Ctrl-C) inside an agreed round: this rank can no longer keep
+            # step with its peers, so the job fails on every rank now, not at the timeout.
+            self._fail(PeerLostError(f"Rank {self._rank}: collective {name!r} was interrupted on the fast "
+                                     f"lane ({type(e).__name__})"))
+            raise
         finally:
             with self._lock:
-                held = lane.release()
+                held = lane.release(announce=self._error is None)
             for entry in held:
                 self._announce(entry, False)
+        return self._await_negotiated(handle)
+
+    def _await_negotiated(self, handle: Handle) -> Any:
+        """Wait for a collective that may go through rank 0. Meanwhile a peer may wait on
+        the lane for this rank's word of the next round: post "slow" for it at once."""
+        lane = self._lane
+        assert lane is not None
+        while not handle.done():
+            with self._lock:
+                if self._error is None:
+                    lane.note_slow()
+            handle.wait_done(0.002)
         return handle.wait()
 
     def _lane_run(self, lane: FastLane, name: str, arr: np.ndarray, op: ReduceOp, key: int, seq: int,
@@ -600,6 +625,11 @@ class RingReducer(Reducer):
         if announcements is not None:
             announcements.put(None)
         executor = getattr(self, "_executor", None)
+        if self._lane is not None:
+            # A thread on the lane stops within a wait slice (the reducer has an error now).
+            deadline = time.monotonic() + 2.0
+            while self._lane.busy and time.monotonic() < deadline:
+                time.sleep(0.01)
         if self._shm is not None:
             self._shm.lane_leave()  # peers waiting on this rank's lane word stop now
         if self._mesh is not None:

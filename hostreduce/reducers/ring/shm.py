@@ -140,6 +140,7 @@ class ShmGroup:
         self._words: dict[str, np.ndarray] = {}
         self._direct: bool | None = None if use_cma else False
         self._direct_ops = 0
+        self._lane_left = False
         self._probe = np.full(8, 0x5EED0000 + rank, np.int64)
         # Spinning only pays when every rank has a core; with more ranks than cores a
         # spinning rank takes the CPU from the peer it waits for.
@@ -272,18 +273,33 @@ class ShmGroup:
     def lane_post(self, seq: int, key: int) -> None:
         """Post this rank's word for lane round ``seq``: a collective's key, or LANE_SLOW.
         Rounds alternate between two key slots, so a rank one round ahead never
-        overwrites a key that a peer has yet to read."""
+        overwrites a key that a peer has yet to read. Nothing after ``lane_leave``."""
+        if self._lane_left:
+            return
         self._ensure_ctl()
         self._words[f"lane_k{seq % 2}"][self.rank] = key
         self._post("lane", seq)
 
     def lane_withdraw(self, seq: int) -> None:
         """Turn this rank's word for round ``seq`` into LANE_SLOW (after giving up on it)."""
-        self._words[f"lane_k{seq % 2}"][self.rank] = LANE_SLOW
+        if not self._lane_left:
+            self._words[f"lane_k{seq % 2}"][self.rank] = LANE_SLOW
 
     def lane_decided(self, seq: int) -> bool:
         """Whether every rank has posted its word for round ``seq``."""
-        return int(self._ensure_ctl_words()["lane"].min()) >= seq
+        return not self._lane_left and int(self._ensure_ctl_words()["lane"].min()) >= seq
+
+    def lane_slow_posted(self, seq: int) -> bool:
+        """Whether some open rank has already posted a "slow" word for round ``seq`` (a
+        closed rank's words say "gone", which ``lane_keys`` reports)."""
+        w = self._ensure_ctl_words()
+        lane, keys = w["lane"], w[f"lane_k{seq % 2}"]
+        return any(seq <= int(lane[j]) < LANE_LEFT and int(keys[j]) == LANE_SLOW
+                   for j in range(self.size) if j != self.rank)
+
+    def lane_latest(self) -> int:
+        """The latest round any open rank has posted for."""
+        return max(int(v) for v in self._ensure_ctl_words()["lane"] if int(v) < LANE_LEFT)
 
     def lane_keys(self, seq: int, what: str, on_timeout: Callable[[list[int]], BaseException]) -> list[int]:
         """Wait until every rank has posted its word for round ``seq``; return the keys.
@@ -300,9 +316,11 @@ class ShmGroup:
         return [int(k) for k in self._words[f"lane_k{seq % 2}"]]
 
     def lane_leave(self) -> None:
-        """At close: every later round sees this rank as gone, so no peer waits for it."""
-        if self._counters is None:
+        """At close: every later round sees this rank as gone, so no peer waits for it.
+        Final: this rank posts nothing after it."""
+        if self._counters is None or self._lane_left:
             return
+        self._lane_left = True
         self._words["lane_k0"][self.rank] = LANE_GONE
         self._words["lane_k1"][self.rank] = LANE_GONE
         self._post("lane", LANE_LEFT)
