@@ -43,26 +43,17 @@ def segment_bounds(n: int, parts: int) -> list[int]:
     return bounds
 
 
-def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
-    """dst = dst (op) src, elementwise, in place."""
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        np.add(dst, src, out=dst)
-    elif op is ReduceOp.MIN:
-        np.minimum(dst, src, out=dst)
-    else:
-        np.maximum(dst, src, out=dst)
+_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 
-def reduce_after(dst: np.ndarray, first: np.ndarray, op: ReduceOp) -> None:
-    """dst = first (op) dst, elementwise, in place: the same operand order as a rank
-    whose own data is ``first`` (bitwise identical results, NaN payloads and signed
-    zeros included)."""
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        np.add(first, dst, out=dst)
-    elif op is ReduceOp.MIN:
-        np.minimum(first, dst, out=dst)
+def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool = False) -> None:
+    """dst = dst (op) src, elementwise, in place; with ``src_first``, dst = src (op) dst:
+    the operand order of the rank whose own data is ``src`` (bitwise identical results,
+    NaN payloads and signed zeros included)."""
+    if src_first:
+        _UFUNCS[op](src, dst, out=dst)
     else:
-        np.maximum(first, dst, out=dst)
+        _UFUNCS[op](dst, src, out=dst)
 
 
 def finalize(buf: np.ndarray, op: ReduceOp, size: int) -> None:
@@ -125,10 +116,7 @@ def pair_allreduce(buf: np.ndarray, rank: int, link: Link, op: ReduceOp, chunk_e
     for i, (lo, hi) in enumerate(chunks):
         part = buf[lo:hi]
         theirs = incoming(link.recv(tag), buf.dtype, hi - lo)
-        if rank == 0:
-            reduce_into(part, theirs, op)
-        else:
-            reduce_after(part, theirs, op)
+        reduce_into(part, theirs, op, src_first=rank == 1)
         finalize(part, op, 2)
         if i + PAIR_WINDOW < len(chunks):
             lo2, hi2 = chunks[i + PAIR_WINDOW]
