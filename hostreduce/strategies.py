@@ -175,9 +175,10 @@ class HorovodStrategy(Strategy):
     Args:
         variables_on_host: as for :class:`MultiWorkerStrategy`.
         config: a ``hostreduce.config.Config``.
-        reducer: force ``"horovod"`` or ``"mpi"``; by default Horovod is tried first and
-            MPI is used when Horovod cannot be loaded (every rank decides alike, since
-            every rank has the same installation).
+        reducer: force ``"horovod"`` or ``"mpi"`` (default: ``HOSTREDUCE_REDUCER`` when
+            set); otherwise Horovod is tried first and MPI is used when Horovod cannot
+            be loaded (every rank decides alike, since every rank has the same
+            installation).
     """
 
     ordered_submission = True
@@ -186,6 +187,8 @@ class HorovodStrategy(Strategy):
         super().__init__(variables_on_host=variables_on_host, config=config)
         if reducer not in (None, "horovod", "mpi"):
             raise ConfigError(f"`reducer` must be 'horovod', 'mpi' or None. Received: reducer={reducer!r}")
+        if reducer is None:
+            reducer = _reducer_from_env()
         self._forced = reducer
         self.reducer_name = reducer or ("horovod" if _horovod_importable() else "mpi")
 
@@ -208,6 +211,21 @@ class HorovodStrategy(Strategy):
         # Under mpirun the launcher's variables describe the job, even if a TF_CONFIG
         # was left in the environment.
         return resolve_cluster(env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"})
+
+
+def _reducer_from_env() -> str | None:
+    """``HOSTREDUCE_REDUCER`` when it names an engine that runs under mpirun."""
+    import os
+
+    value = os.environ.get("HOSTREDUCE_REDUCER", "").strip().lower()
+    if not value:
+        return None
+    if value not in ("horovod", "mpi"):
+        raise ConfigError(
+            "HorovodStrategy runs under mpirun with the 'horovod' or 'mpi' reducer. "
+            f"Received: HOSTREDUCE_REDUCER={value!r}"
+        )
+    return value
 
 
 def _horovod_importable() -> bool:

@@ -56,7 +56,7 @@ def test_model_fn_with_config_and_tf1_metric_tuple() -> None:
         seen["config"] = config
         logits = keras.layers.Dense(common.CLASSES)(features)
         loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-        return EstimatorSpec(mode, loss=loss, eval_metric_ops={"double": (2 * loss, tf.no_op())})
+        return EstimatorSpec(mode, loss=loss, eval_metric_ops={"double": tf.compat.v1.metrics.mean(2 * loss)})
 
     config = RunConfig(log_step_count_steps=None)
     metrics = Estimator(model_fn, config=config).evaluate(common.make_input_fn(repeat=False), steps=3)

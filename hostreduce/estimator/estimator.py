@@ -3,7 +3,6 @@ of a hostreduce strategy."""
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from typing import Any, Callable, Iterator
 
@@ -15,12 +14,11 @@ from ..timeline import Timeline, timeline_dir_from_env
 from .checkpoint import CheckpointManager
 from .inputs import call_input_fn, check_model_fn, split_element
 from .mode_keys import ModeKeys
+from .progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
 from .run_config import RunConfig
 
 __all__ = ["Estimator"]
-
-logger = logging.getLogger("hostreduce.estimator")
 
 
 def _check_steps(name: str, value: Any) -> None:
@@ -67,6 +65,7 @@ class Estimator:
         self._excluded_keys: set[str] = set()
         self._global_step = 0
         self._step_synced = False
+        self._last_save = time.monotonic()
 
     # -- properties ------------------------------------------------------------
     @property
@@ -107,6 +106,10 @@ class Estimator:
         if cached is not None and cached[0] == signature:
             return cached[1]
         args = (self.model_fn, self.params, self.config, self._store, element_spec, self._timeline)
+        if self.config.tf_random_seed is not None:
+            import tensorflow as tf
+
+            tf.random.set_seed(self.config.tf_random_seed)
         if mode == ModeKeys.TRAIN:
             program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply,
                                    stream_gradients=self.config.stream_gradients)
@@ -116,6 +119,7 @@ class Estimator:
                 self._excluded_keys.update(filter(None, (self._store.key_of(v) for v in metric.variables)))
         else:
             program = PredictProgram(*args)
+        self._excluded_keys.update(self._store.local_keys())
         self._programs[mode] = (signature, program)
         self._sync_variables()
         return program
@@ -137,7 +141,7 @@ class Estimator:
                 if not self._step_synced:
                     self._global_step = step
                 if restored:
-                    logger.info("Restored %d variables from %s (step %d)", restored, latest[1], step)
+                    progress("Restored %d variables from %s (step %d)", restored, latest[1], step)
         if strategy.size > 1:
             reducer = strategy.reducer
             if not self._step_synced:
@@ -151,7 +155,7 @@ class Estimator:
         self._store.mark_synced(k for k, _ in self._store.unsynced())
 
     def _dataset(self, input_fn: Callable[..., Any], mode: str) -> Any:
-        return call_input_fn(input_fn, mode, self._strategy.input_context())
+        return call_input_fn(input_fn, mode, self._strategy.input_context(), self.params, self.config)
 
     # -- checkpoints -----------------------------------------------------------
     def _save(self) -> None:
@@ -159,7 +163,8 @@ class Estimator:
             return
         arrays = self.get_variables()
         path = self._checkpoints.save(self._global_step, arrays, {"world_size": self._strategy.size})
-        logger.info("Saved checkpoint for step %d to %s", self._global_step, path)
+        self._last_save = time.monotonic()
+        progress("Saved checkpoint for step %d to %s", self._global_step, path)
 
     # -- train -----------------------------------------------------------------
     def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,
@@ -195,6 +200,7 @@ class Estimator:
         must_agree = target is None and strategy.size > 1
         log_every = config.log_step_count_steps
         save_every = config.save_checkpoints_steps
+        save_secs = config.save_checkpoints_secs if strategy.is_chief and self._checkpoints is not None else None
         timeout = config.collective_timeout_s
         window_start, window_examples = time.perf_counter(), 0
         iterator = iter(dataset)
@@ -219,14 +225,17 @@ class Estimator:
                 mean_loss = self._mean_across_workers("hostreduce.loss", loss)
                 elapsed = time.perf_counter() - window_start
                 if strategy.is_chief:
-                    logger.info("step %d: loss = %.5f (%.1f examples/s)", step, mean_loss,
-                                window_examples / max(elapsed, 1e-9))
+                    progress("step %d: loss = %.5f (%.1f examples/s)", step, mean_loss,
+                              window_examples / max(elapsed, 1e-9))
                 window_start, window_examples = time.perf_counter(), 0
-            if save_every and step % save_every == 0:
+            if (save_every and step % save_every == 0) or (
+                    save_secs is not None and time.monotonic() - self._last_save >= save_secs):
                 self._save()
                 self._timeline.flush()
         self._save()
         self._timeline.flush()
+        if strategy.is_chief and self._global_step > start:
+            progress("Loss for final step: %s.", loss)
         return self
 
     def _mean_across_workers(self, name: str, value: float) -> float:
@@ -240,10 +249,11 @@ class Estimator:
         """Evaluate on ``input_fn``'s data (``steps`` batches, or until it ends).
 
         Returns a dict with ``loss`` (mean over batches), every entry of
-        ``eval_metric_ops`` and ``global_step``. With several workers, every worker
-        evaluates its shard and the results are combined: Keras metrics by summing
-        their state (exact for means, accuracies and counts), tensors by averaging
-        over all batches of all workers.
+        ``eval_metric_ops`` and ``global_step``. Metrics start from zero at every call.
+        With several workers, every worker evaluates its shard and the results are
+        combined: Keras metrics and TF1 ``tf.compat.v1.metrics`` pairs by summing their
+        state (so they equal the metric over all batches of all workers), plain tensors
+        by averaging over all batches of all workers.
         """
         _check_steps("steps", steps)
         strategy = self._strategy
@@ -252,8 +262,14 @@ class Estimator:
         keras_metrics = program.keras_metrics()
         for metric in keras_metrics.values():
             metric.reset_state()
-        names = ["loss"] + [f"metric/{n}" for n in program.tensor_metric_names()]
+        local_keys = self._store.local_keys()
+        local_vars = [(k, v) for k, v in self._store.items() if k in local_keys]
+        for _, var in local_vars:  # TF1 metrics' totals and counts start at zero
+            var.assign(np.zeros(var.shape, var.dtype.as_numpy_dtype))
+        streaming = program.streaming_metric_names()
+        names = ["loss"] + [f"metric/{n}" for n in program.tensor_metric_names() if n not in streaming]
         sums = np.zeros(len(names) + 1, np.float64)
+        latest: dict[str, float] = {}
         for i, element in enumerate(dataset):
             if steps is not None and i >= steps:
                 break
@@ -261,16 +277,29 @@ class Estimator:
             outputs = program.call(features, labels)
             sums[:-1] += [float(outputs[n]) for n in names]
             sums[-1] += 1
+            latest = {n: float(outputs[f"metric/{n}"]) for n in streaming}
         if strategy.size > 1:
-            sums = strategy.reducer.allreduce("hostreduce.eval.sums", sums, op="sum")
+            reducer = strategy.reducer
+            sums = reducer.allreduce("hostreduce.eval.sums", sums, op="sum")
             for i, name in enumerate(sorted(keras_metrics)):
                 for j, var in enumerate(keras_metrics[name].variables):
                     value = var.numpy()
                     if np.issubdtype(value.dtype, np.number):
-                        total = strategy.reducer.allreduce(f"hostreduce.eval.m{i}.{j}", value, op="sum")
+                        total = reducer.allreduce(f"hostreduce.eval.m{i}.{j}", value, op="sum")
                         var.assign(np.reshape(total, value.shape))
+            for key, var in sorted(local_vars, key=lambda kv: kv[0]):
+                value = var.numpy()
+                if np.issubdtype(value.dtype, np.number):
+                    total = reducer.allreduce(f"hostreduce.eval.local.{key}", value, op="sum")
+                    var.assign(np.reshape(total, value.shape))
+        if streaming and (strategy.size > 1 or not latest):
+            # Every worker now holds the state of all workers' batches: a step on an
+            # empty batch changes no state and returns the metrics' values for it.
+            outputs = program.call(*program.empty_batch())
+            latest = {n: float(outputs[f"metric/{n}"]) for n in streaming}
         count = max(sums[-1], 1.0)
         results = {n.split("/", 1)[-1]: float(sums[k] / count) for k, n in enumerate(names)}
+        results.update(latest)
         for name, metric in keras_metrics.items():
             results[name] = float(np.asarray(metric.result()))
         results["global_step"] = self._global_step

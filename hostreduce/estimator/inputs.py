@@ -46,19 +46,24 @@ def call_model_fn(model_fn: Callable[..., Any], features: Any, labels: Any, mode
     return model_fn(**{k: v for k, v in values.items() if k in params_})
 
 
-def call_input_fn(input_fn: Callable[..., Any], mode: str, input_context: Any) -> Any:
-    """Call ``input_fn``, passing ``mode``/``input_context``/``params`` only if accepted;
-    return a ``tf.data.Dataset``."""
+def call_input_fn(input_fn: Callable[..., Any], mode: str, input_context: Any, params: Any = None,
+                  config: Any = None) -> Any:
+    """Call ``input_fn``, passing those of ``mode``, ``input_context``, ``params`` and
+    ``config`` it names (as ``tf.estimator`` did); return a ``tf.data.Dataset``."""
     import tensorflow as tf
 
     if not callable(input_fn):
         raise SpecError(f"`input_fn` must be callable. Received: input_fn={input_fn!r}")
-    params = _parameters(input_fn)
+    params_value, params = params, _parameters(input_fn)
     kwargs: dict[str, Any] = {}
     if "mode" in params:
         kwargs["mode"] = mode
     if "input_context" in params:
         kwargs["input_context"] = input_context
+    if "params" in params:
+        kwargs["params"] = {} if params_value is None else params_value
+    if "config" in params:
+        kwargs["config"] = config
     dataset = input_fn(**kwargs)
     if isinstance(dataset, tuple) and len(dataset) == 2:
         dataset = tf.data.Dataset.from_tensors(dataset).repeat()

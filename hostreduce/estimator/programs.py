@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import SpecError
 from ..host.apply import fused_optimizer_scope
 from ..host.gradients import gradient_labels, recording
+from ..host.tf1 import HOST_CALL, MODEL_FN, tf1_optimizer_scope
 from ..host.variables import VariableStore
 from ..streaming.handoff import HostCallExchange
 from ..timeline import Timeline, now_us
@@ -82,7 +83,9 @@ class _ProgramBase:
         self.spec: EstimatorSpec | None = None
 
     def _call_model_fn(self, features: Any, labels: Any) -> EstimatorSpec:
-        value = call_model_fn(self.model_fn, features, labels, self.mode, self.params, self.config)
+        strategy = getattr(self, "strategy", None)
+        with tf1_optimizer_scope(MODEL_FN, workers=strategy.size if strategy is not None else 1):
+            value = call_model_fn(self.model_fn, features, labels, self.mode, self.params, self.config)
         spec = _as_spec(value, self.mode)
         self.spec = spec
         return spec
@@ -178,7 +181,7 @@ class TrainProgram(_ProgramBase):
         device = tf.device("/CPU:0") if self.strategy.variables_on_host else contextlib.nullcontext()
 
         def host_step(*tensors: Any) -> Any:
-            with device, self.store.scope(), fused_optimizer_scope(self.fused_apply):
+            with device, self.store.scope(), fused_optimizer_scope(self.fused_apply), tf1_optimizer_scope(HOST_CALL):
                 self._host_fn(*tensors)  # type: ignore[misc]
             return tf.constant(0)
 
@@ -237,6 +240,24 @@ class EvalProgram(_ProgramBase):
     def tensor_metric_names(self) -> list[str]:
         ops = (self.spec.eval_metric_ops or {}) if self.spec is not None else {}
         return [k for k, m in ops.items() if not _is_keras_metric(m)]
+
+    def streaming_metric_names(self) -> list[str]:
+        """Names of TF1 ``(value, update_op)`` metrics: their value is a function of
+        state accumulated over the evaluation, not a per-batch number to average."""
+        ops = (self.spec.eval_metric_ops or {}) if self.spec is not None else {}
+        return [k for k, m in ops.items() if not _is_keras_metric(m) and isinstance(m, (tuple, list))]
+
+    def empty_batch(self) -> tuple[Any, Any]:
+        """(features, labels) with zero examples: a step on it updates no streaming
+        metric's state and returns every metric's value for the current state."""
+        import tensorflow as tf
+
+        def empty(spec: Any) -> Any:
+            return tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
+
+        features = tf.nest.map_structure(empty, self.signature[0])
+        labels = None if self.signature[1] is None else tf.nest.map_structure(empty, self.signature[1])
+        return features, labels
 
 
 class PredictProgram(_ProgramBase):

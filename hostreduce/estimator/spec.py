@@ -14,28 +14,56 @@ __all__ = ["EstimatorSpec", "host_train_spec", "check_host_call"]
 class EstimatorSpec(NamedTuple):
     """Ops and objects returned by ``model_fn``.
 
+    The first five fields are in the order of ``tf.estimator.EstimatorSpec`` and
+    Graphcore's ``IPUEstimatorSpec``; pass the others by keyword.
+
     Attributes:
         mode: a :class:`ModeKeys` value.
+        predictions: a tensor or dict of tensors (required in PREDICT mode).
         loss: scalar loss of this worker's local batch (required in TRAIN and EVAL).
         train_op: a tensor evaluated every training step (e.g. ``tf.identity(loss)``).
+        eval_metric_ops: dict of name -> Keras metric object (updated inside
+            ``model_fn``), a ``tf.compat.v1.metrics`` ``(value, update_op)`` pair, or a
+            scalar tensor; combined across workers (see ``Estimator.evaluate``).
         host_call: ``(fn, tensors)``: ``tensors`` (typically gradients) are averaged
             across workers on the host, then ``fn(*tensors)`` runs on the host (e.g.
             ``optimizer.apply_gradients``). Required in TRAIN mode with several workers.
-        predictions: a tensor or dict of tensors (required in PREDICT mode).
-        eval_metric_ops: dict of name -> Keras metric object (updated inside
-            ``model_fn``) or scalar tensor; averaged across workers.
+        eval_metrics: ``(metric_fn, tensors)`` as in ``IPUEstimatorSpec``:
+            ``metric_fn(*tensors)`` (or ``metric_fn(**tensors)`` for a dict) returns
+            more ``eval_metric_ops``.
+        export_outputs: kept for ``tf.estimator`` scripts; not used by the runner.
+        training_chief_hooks, training_hooks, scaffold, evaluation_hooks,
+        prediction_hooks: TensorFlow session objects; only None or empty is accepted.
     """
 
     mode: str
+    predictions: Any = None
     loss: Any = None
     train_op: Any = None
-    host_call: Any = None
-    predictions: Any = None
     eval_metric_ops: Any = None
+    host_call: Any = None
+    eval_metrics: Any = None
+    export_outputs: Any = None
+    training_chief_hooks: Any = None
+    training_hooks: Any = None
+    scaffold: Any = None
+    evaluation_hooks: Any = None
+    prediction_hooks: Any = None
 
     def validate(self) -> "EstimatorSpec":
         """Raise ``SpecError`` if the spec cannot run in its mode; return it otherwise."""
         mode = ModeKeys.check(self.mode)
+        for field in ("training_chief_hooks", "training_hooks", "scaffold", "evaluation_hooks", "prediction_hooks"):
+            if getattr(self, field):
+                raise SpecError(
+                    f"`{field}` is not supported: TensorFlow session hooks and scaffolds have no place in "
+                    f"hostreduce's runner (it runs TensorFlow 2 functions, not a session). Received: {field}="
+                    f"{_short(getattr(self, field))}. Use `Estimator.train(..., hooks=[fn])` with "
+                    "`fn(global_step, loss)` callables instead"
+                )
+        if self.eval_metrics is not None:
+            self = self._replace(eval_metric_ops=_merged_metrics(self.eval_metric_ops, self.eval_metrics),
+                                 eval_metrics=None)
         if mode in (ModeKeys.TRAIN, ModeKeys.EVAL) and self.loss is None:
             raise SpecError(f"EstimatorSpec in mode {mode!r} requires `loss`. Received: loss=None")
         if mode == ModeKeys.TRAIN and self.train_op is None and self.host_call is None:
@@ -53,6 +81,25 @@ class EstimatorSpec(NamedTuple):
                 f"Received: eval_metric_ops of type {type(self.eval_metric_ops).__name__}"
             )
         return self
+
+
+def _merged_metrics(eval_metric_ops: Any, eval_metrics: Any) -> dict[str, Any]:
+    """``eval_metric_ops`` plus what ``metric_fn`` of ``eval_metrics=(metric_fn, tensors)`` returns."""
+    if not isinstance(eval_metrics, (tuple, list)) or len(eval_metrics) != 2 or not callable(eval_metrics[0]):
+        raise SpecError(
+            "`eval_metrics` must be a pair (metric_fn, tensors) with `tensors` a list or dict. "
+            f"Received: eval_metrics={_short(eval_metrics)}"
+        )
+    fn, tensors = eval_metrics
+    more = fn(**tensors) if isinstance(tensors, Mapping) else fn(*tensors)
+    if not isinstance(more, Mapping):
+        raise SpecError(
+            f"`eval_metrics` function {getattr(fn, '__name__', fn)!r} must return a dict of name -> metric. "
+            f"Received: {type(more).__name__}"
+        )
+    merged = dict(eval_metric_ops or {})
+    merged.update(more)
+    return merged
 
 
 def check_host_call(host_call: Any) -> tuple[Callable[..., Any], list[Any]]:

@@ -18,6 +18,8 @@ from ..errors import SpecError
 
 __all__ = ["VariableStore"]
 
+# tf.compat.v1.GraphKeys.LOCAL_VARIABLES and METRIC_VARIABLES.
+_LOCAL_COLLECTIONS = {"local_variables", "metric_variables"}
 # Uniquifying counters: ``dense_3`` -> ``dense``, ``sequential_1_dense_2_kernel`` ->
 # ``sequential_dense_kernel`` (Keras names optimizer slots after the variable's path).
 _SUFFIX = re.compile(r"(_\d+)+(?=/|_|$)")
@@ -42,6 +44,7 @@ class VariableStore:
         self._order: list[str] = []
         self._counts: dict[str, int] = {}
         self._synced: set[str] = set()
+        self._local: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -73,6 +76,11 @@ class VariableStore:
             self._vars[key] = variable
             self._order.append(key)
             known.add(id(variable))
+
+    def local_keys(self) -> set[str]:
+        """Keys of local variables (TF1 ``tf.compat.v1.metrics`` state, anything created
+        in the ``local_variables`` collection): per-worker, neither broadcast nor saved."""
+        return set(self._local)
 
     def unsynced(self) -> list[tuple[str, Any]]:
         """Variables created since the last :meth:`mark_synced` (creation order)."""
@@ -115,6 +123,8 @@ class VariableStore:
             variable = next_creator(**kwargs)
         self._vars[key] = variable
         self._order.append(key)
+        if set(kwargs.get("collections") or ()) & _LOCAL_COLLECTIONS:
+            self._local.add(key)
         return variable
 
 
