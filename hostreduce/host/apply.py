@@ -1,7 +1,7 @@
 """The optimizer update on the host, through TensorFlow's fused kernels where they
 compute exactly what the Keras optimizer computes.
 
-Keras 3 builds SGD and Adam updates from several element-wise ops per variable;
+Keras 3 and tf_keras build SGD and Adam updates from several element-wise ops per variable;
 ``ResourceApplyGradientDescent``, ``ResourceApplyKerasMomentum`` and
 ``ResourceApplyAdam`` do the same arithmetic in one pass over memory. The kernels are
 used only for configurations whose math they reproduce (no clipping, weight decay,
@@ -20,18 +20,23 @@ import contextlib
 import threading
 from typing import Any, Iterable, Iterator
 
+from ._keras import keras_of, loaded_kerases, underlying_variable
+from ._patch import routed_method
+
 __all__ = ["apply_gradients", "fused_apply_supported", "fused_optimizer_scope"]
 
 _FLOAT_DTYPES = ("float32", "float64")
 
 
 def _keras_kind(optimizer: Any) -> str | None:
-    import keras
-
+    """"adam" or "sgd" for exactly Keras 3's or tf_keras's Adam/SGD (not subclasses)."""
+    package = keras_of(optimizer)
+    if package is None:
+        return None
     cls = type(optimizer)
-    if cls is keras.optimizers.Adam:
+    if cls is package.optimizers.Adam:
         return "adam"
-    if cls is keras.optimizers.SGD:
+    if cls is package.optimizers.SGD:
         return "sgd"
     return None
 
@@ -52,35 +57,54 @@ def fused_apply_supported(optimizer: Any, variables: Iterable[Any] = ()) -> bool
     for v in variables:
         if getattr(v, "constraint", None) is not None or getattr(v, "overwrite_with_gradient", False):
             return False
-        if str(getattr(v, "dtype", "")) not in _FLOAT_DTYPES:
+        dtype = getattr(v, "dtype", "")
+        if str(getattr(dtype, "name", dtype)) not in _FLOAT_DTYPES:  # tf.DType (tf_keras) or str (Keras 3)
             return False
     return True
 
 
 def _handle(variable: Any) -> Any:
-    return getattr(variable, "value", variable).handle
+    return underlying_variable(variable).handle
+
+
+def _prepare(optimizer: Any, variables: list[Any]) -> Any:
+    """Build ``optimizer``'s slots for ``variables`` if needed; return the learning
+    rate of this step (before ``iterations`` is incremented)."""
+    import tensorflow as tf
+
+    if keras_of(optimizer).__name__ == "tf_keras":
+        with tf.init_scope():
+            optimizer.build(variables)  # a no-op once built
+        optimizer._compute_current_learning_rate()  # schedules: lr(iterations)
+        return optimizer.learning_rate
+    if not optimizer.built:
+        with keras_of(optimizer).name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+    return optimizer._get_current_learning_rate()
+
+
+def _slot_index(optimizer: Any, variable: Any) -> int:
+    if keras_of(optimizer).__name__ == "tf_keras":
+        return optimizer._index_dict[optimizer._var_key(variable)]
+    return optimizer._get_variable_index(variable)
 
 
 def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -> None:
     """``optimizer.apply_gradients(grads_and_vars)``, fused where the math allows.
 
     Keeps ``optimizer.iterations`` in step exactly as Keras does (one increment per
-    call). Works eagerly and inside ``tf.function``.
+    call). Works eagerly and inside ``tf.function``, for Keras 3 and tf_keras.
     """
     pairs = [(g, v) for g, v in grads_and_vars]
     variables = [v for _, v in pairs]
     if not fused_apply_supported(optimizer, variables):
         _original_apply(optimizer, pairs)
         return
-    import keras
     import tensorflow as tf
 
-    if not optimizer.built:
-        with keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(variables)
-        optimizer.built = True
     kind = _keras_kind(optimizer)
-    lr_value = optimizer._get_current_learning_rate()
+    lr_value = _prepare(optimizer, variables)
     step = tf.cast(optimizer.iterations + 1, tf.float32)
     for grad, var in pairs:
         if grad is None:
@@ -88,7 +112,7 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
         dtype = var.dtype
         grad = tf.cast(grad, dtype)
         lr = tf.cast(lr_value, dtype)
-        index = optimizer._get_variable_index(var)
+        index = _slot_index(optimizer, var)
         if kind == "adam":
             beta_1 = tf.cast(optimizer.beta_1, dtype)
             beta_2 = tf.cast(optimizer.beta_2, dtype)
@@ -110,49 +134,36 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
 
 
 # While tracing the host step, Keras SGD/Adam ``apply_gradients`` calls made by a
-# user's ``host_call`` function are routed to the fused path. The switch is per thread
-# and only active inside ``fused_optimizer_scope``.
+# user's ``host_call`` function are routed to the fused path (per thread, only inside
+# ``fused_optimizer_scope``).
 _local = threading.local()
-_patch_lock = threading.Lock()
-_patched: dict[str, Any] = {}
 
 
 def _original_apply(optimizer: Any, pairs: list[tuple[Any, Any]]) -> None:
-    original = _patched.get("apply_gradients")
+    original = getattr(_local, "original", None)
     if original is not None:
         original(optimizer, pairs)
     else:
         optimizer.apply_gradients(pairs)
 
 
-def _routed_apply(self: Any, grads_and_vars: Any) -> Any:
-    if getattr(_local, "active", False):
+def _routed_apply(original: Any, self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+    if args or kwargs:  # name=..., skip_gradients_aggregation=...: Keras's own path
+        return original(self, grads_and_vars, *args, **kwargs)
+    previous, _local.original = getattr(_local, "original", None), original
+    try:
         apply_gradients(self, grads_and_vars)
-        return self.iterations
-    return _patched["apply_gradients"](self, grads_and_vars)
+    finally:
+        _local.original = previous
+    return self.iterations
 
 
 @contextlib.contextmanager
 def fused_optimizer_scope(enabled: bool = True) -> Iterator[None]:
-    """Inside this block, ``SGD``/``Adam`` ``apply_gradients`` use the fused kernels."""
-    if not enabled:
+    """Inside this block, ``SGD``/``Adam`` ``apply_gradients`` (Keras 3 and tf_keras,
+    whichever are imported) use the fused kernels."""
+    with contextlib.ExitStack() as stack:
+        if enabled:
+            for package in loaded_kerases():
+                stack.enter_context(routed_method(package.optimizers.Optimizer, "apply_gradients", _routed_apply))
         yield
-        return
-    import keras
-
-    base = keras.optimizers.Optimizer
-    with _patch_lock:
-        if "apply_gradients" not in _patched:
-            _patched["apply_gradients"] = base.apply_gradients
-            base.apply_gradients = _routed_apply
-        _patched["depth"] = _patched.get("depth", 0) + 1
-    _local.active = True
-    try:
-        yield
-    finally:
-        _local.active = False
-        with _patch_lock:
-            _patched["depth"] -= 1
-            if _patched["depth"] == 0:
-                base.apply_gradients = _patched.pop("apply_gradients")
-                _patched.pop("depth")

@@ -11,8 +11,9 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import SpecError
+from ._keras import underlying_variable
 
-__all__ = ["compute_gradients", "recording", "gradient_labels"]
+__all__ = ["compute_gradients", "gradients_or_none", "gradient_labels", "recorded_variables", "recording"]
 
 _state = threading.local()
 
@@ -60,19 +61,7 @@ def compute_gradients(loss: Any, variables: Sequence[Any], unconnected: str = "e
     variables = list(variables)
     if not variables:
         raise SpecError("`variables` must be a non-empty list of variables. Received: variables=[]")
-    if loss is None:
-        raise SpecError("`loss` must be a scalar tensor. Received: loss=None")
-    tape = getattr(_state, "tape", None)
-    if tape is not None:
-        with tape.stop_recording():
-            grads = tape.gradient(loss, variables)
-    elif tf.inside_function():
-        grads = tf.gradients(loss, [getattr(v, "value", v) for v in variables])
-    else:
-        raise SpecError(
-            "`compute_gradients` must be called inside a `model_fn` run by an Estimator "
-            "(or inside a tf.function). Received: a call in eager mode without a tape"
-        )
+    grads = gradients_or_none(loss, variables)
     out = []
     for grad, var in zip(grads, variables):
         if grad is None:
@@ -82,10 +71,47 @@ def compute_gradients(loss: Any, variables: Sequence[Any], unconnected: str = "e
                     "Remove it from `variables` or pass `unconnected='zero'`"
                 )
             grad = tf.zeros(var.shape, dtype=var.dtype)
-        if isinstance(grad, tf.IndexedSlices):
-            grad = tf.convert_to_tensor(grad)
+            _label(grad, var)
         out.append(grad)
+    return out
+
+
+def recorded_variables() -> list[Any] | None:
+    """The trainable variables the forward pass read so far (None without a tape):
+    what TF1's ``var_list=None`` (all trainable variables) means inside ``model_fn``."""
+    tape = getattr(_state, "tape", None)
+    return None if tape is None else list(tape.watched_variables())
+
+
+def gradients_or_none(loss: Any, variables: Sequence[Any], output_gradients: Any = None) -> list[Any]:
+    """Dense gradients of ``loss`` for ``variables`` (None for a variable ``loss`` does
+    not depend on), from the recording tape so each can be handed off as the backward
+    pass produces it; labelled for the timeline."""
+    import tensorflow as tf
+
+    if loss is None:
+        raise SpecError("`loss` must be a scalar tensor. Received: loss=None")
+    variables = list(variables)
+    tape = getattr(_state, "tape", None)
+    if tape is not None:
+        with tape.stop_recording():
+            grads = tape.gradient(loss, variables, output_gradients=output_gradients)
+    elif tf.inside_function():
+        sources = [v if underlying_variable(v) is None else underlying_variable(v) for v in variables]
+        grads = tf.gradients(loss, sources, grad_ys=output_gradients)
+    else:
+        raise SpecError(
+            "`compute_gradients` must be called inside a `model_fn` run by an Estimator "
+            "(or inside a tf.function). Received: a call in eager mode without a tape"
+        )
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    for grad, var in zip(grads, variables):
+        if grad is not None:
+            _label(grad, var)
+    return grads
+
+
+def _label(grad: Any, variable: Any) -> None:
     labels = getattr(_state, "labels", None)
     if labels is not None:
-        labels.update({id(g): variable_name(v) for g, v in zip(out, variables)})
-    return out
+        labels[id(grad)] = variable_name(variable)

@@ -1,0 +1,43 @@
+"""Which Keras a user's object comes from, without importing any Keras.
+
+With ``TF_USE_LEGACY_KERAS=1`` ``tf.keras`` is ``tf_keras`` (Keras 2), whose variables
+are ``tf.Variable``; otherwise it is Keras 3, whose TensorFlow-backend ``Variable``
+wraps a ``tf.Variable`` (in ``_value``). Both can be loaded in one process, so code
+that handles an optimizer or variable asks its own package, never ``import keras``.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+__all__ = ["loaded_kerases", "keras_of", "underlying_variable"]
+
+_PACKAGES = ("keras", "tf_keras")
+
+
+def loaded_kerases() -> list[ModuleType]:
+    """The Keras packages imported so far (``keras`` 3 and/or ``tf_keras``)."""
+    found = []
+    for name in _PACKAGES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "optimizers"):
+            found.append(module)
+    return found
+
+
+def keras_of(obj: Any) -> ModuleType | None:
+    """The imported Keras package that defines ``obj``'s class, or None."""
+    top = type(obj).__module__.split(".", 1)[0]
+    return sys.modules.get(top) if top in _PACKAGES else None
+
+
+def underlying_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` behind ``variable`` (a Keras 3 variable's ``_value``); a
+    ``tf.Variable`` itself (TensorFlow, tf_keras) as it is; None for anything else."""
+    import tensorflow as tf
+
+    if isinstance(variable, tf.Variable):
+        return variable
+    value = getattr(variable, "_value", None)
+    return value if isinstance(value, tf.Variable) else None

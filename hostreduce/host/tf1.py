@@ -1,0 +1,150 @@
+"""TF1 optimizers (``tf.compat.v1.train.*Optimizer``) inside the functions hostreduce
+traces: ``model_fn`` on the device and ``host_call`` on the host.
+
+A TF1 optimizer cannot take Keras 3 variables as they are: it reaches into
+``tf.Variable`` internals that a Keras 3 variable (a wrapper around a ``tf.Variable``)
+does not have, and its ``compute_gradients`` would build ``tf.gradients`` of the loss
+instead of using the tape that records ``model_fn``. Inside :func:`tf1_optimizer_scope`
+the optimizer's public methods are routed through this module:
+
+- ``compute_gradients`` takes the gradients from the recording tape, exactly like
+  :func:`hostreduce.compute_gradients` (so each is handed off as the backward pass
+  produces it), and pairs them with the caller's own variable objects.
+- ``apply_gradients`` gives TensorFlow's implementation the ``tf.Variable`` behind each
+  variable. Slots (and Adam's beta powers) are created by TensorFlow's code under the
+  variable creator in scope, the Estimator's ``VariableStore``: they live on the host
+  with ``variables_on_host``, and are checkpointed and restored with the model.
+- ``minimize`` is the two together. Inside ``model_fn`` with several workers there is
+  no averaging between them before the update, so ``minimize`` and
+  ``apply_gradients`` raise ``SpecError`` there and say what to write instead.
+
+Outside the block every call reaches TensorFlow unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+from ..errors import SpecError
+from ._keras import underlying_variable
+from ._patch import routed_method
+from .gradients import gradients_or_none, recorded_variables
+
+__all__ = ["tf1_optimizer_scope", "MODEL_FN", "HOST_CALL"]
+
+MODEL_FN = "model_fn"
+HOST_CALL = "host_call"
+
+_local = threading.local()
+
+_HOST_CALL_HINT = (
+    "Take the gradients in `model_fn` with `grads_and_vars = optimizer.compute_gradients(loss, var_list=variables)` "
+    "and apply them on the host: `EstimatorSpec(..., host_call=(lambda *grads: "
+    "optimizer.apply_gradients(zip(grads, variables)), [g for g, _ in grads_and_vars]))`"
+)
+
+
+@contextlib.contextmanager
+def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[None]:
+    """Route ``tf.compat.v1.train.Optimizer`` methods through this module in this block.
+
+    Args:
+        place: ``"model_fn"`` (the device step, where the recording tape is) or
+            ``"host_call"`` (the host step, after the all-reduce).
+        workers: how many workers train together; above 1, updates inside
+            ``model_fn`` are refused.
+    """
+    import tensorflow as tf
+
+    if place not in (MODEL_FN, HOST_CALL):
+        raise ValueError(f"`place` must be {MODEL_FN!r} or {HOST_CALL!r}. Received: place={place!r}")
+    base = tf.compat.v1.train.Optimizer
+    previous = getattr(_local, "context", None)
+    _local.context = (place, workers)
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, route in _ROUTES.items():
+                stack.enter_context(routed_method(base, name, route))
+            yield
+    finally:
+        _local.context = previous
+
+
+def _context() -> tuple[str, int]:
+    return getattr(_local, "context", None) or (HOST_CALL, 1)
+
+
+def _tf_variable(variable: Any, argument: str) -> Any:
+    target = underlying_variable(variable)
+    if target is None:
+        raise SpecError(
+            f"`{argument}` must hold variables (tf.Variable or Keras variables). "
+            f"Received: {type(variable).__name__} {variable!r:.80}"
+        )
+    return target
+
+
+def _compute_gradients(original: Any, self: Any, loss: Any, var_list: Any = None, gate_gradients: Any = None,
+                       aggregation_method: Any = None, colocate_gradients_with_ops: bool = False,
+                       grad_loss: Any = None) -> list[tuple[Any, Any]]:
+    # gate_gradients, aggregation_method and colocate_gradients_with_ops shape a TF1
+    # graph's gradient ops; a tape's gradients are already gated per op.
+    import tensorflow as tf
+
+    if callable(loss):
+        loss = loss()
+    if var_list is None:
+        var_list = recorded_variables()
+        if var_list is None:
+            raise SpecError(
+                "`compute_gradients(loss)` without `var_list` means every trainable variable the loss read, which "
+                "is known only inside `model_fn` in training mode. Pass `var_list=model.trainable_variables`"
+            )
+    else:
+        var_list = tf.nest.flatten(var_list)
+    if not var_list:
+        raise SpecError("`var_list` must be a non-empty list of variables. Received: var_list=[]")
+    for variable in var_list:
+        _tf_variable(variable, "var_list")
+    grads = gradients_or_none(loss, var_list, output_gradients=grad_loss)
+    return list(zip(grads, var_list))
+
+
+def _apply_gradients(original: Any, self: Any, grads_and_vars: Any, global_step: Any = None, name: Any = None,
+                     *args: Any, **kwargs: Any) -> Any:
+    place, workers = _context()
+    if place == MODEL_FN and workers > 1:
+        raise SpecError(
+            f"`{type(self).__name__}.apply_gradients` inside `model_fn` would update each of the {workers} "
+            f"workers with its own gradients, never averaged across them. {_HOST_CALL_HINT}"
+        )
+    pairs = [(grad, _tf_variable(var, "grads_and_vars")) for grad, var in grads_and_vars]
+    if global_step is not None:
+        global_step = _tf_variable(global_step, "global_step")
+    return original(self, pairs, global_step, name, *args, **kwargs)
+
+
+def _minimize(original: Any, self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+    place, workers = _context()
+    if place == MODEL_FN and workers > 1:
+        raise SpecError(
+            f"`{type(self).__name__}.minimize` inside `model_fn` cannot average the gradients of the {workers} "
+            f"workers before the update. {_HOST_CALL_HINT}"
+        )
+    # TensorFlow's minimize calls self.compute_gradients and self.apply_gradients,
+    # which this block routes.
+    return original(self, loss, *args, **kwargs)
+
+
+def _get_slot(original: Any, self: Any, var: Any, name: str) -> Any:
+    target = underlying_variable(var)
+    return original(self, var if target is None else target, name)
+
+
+_ROUTES = {
+    "compute_gradients": _compute_gradients,
+    "apply_gradients": _apply_gradients,
+    "minimize": _minimize,
+    "get_slot": _get_slot,
+}
