@@ -1,0 +1,152 @@
+"""What scripts ported from ``tf.estimator``, the IPU Estimator and TF Adapter expect of
+the Estimator API, in one process: ``EvalSpec``'s default steps, TF1 metric pairs,
+``RunConfig`` device and session settings, ``input_fn(mode, params)``, the field order
+of ``EstimatorSpec`` and its ``eval_metrics``, progress through TensorFlow's logger."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
+import tf_common as common  # noqa: E402
+
+from hostreduce.errors import ConfigError, SpecError  # noqa: E402
+from hostreduce.estimator import (  # noqa: E402
+    Estimator, EstimatorSpec, EvalSpec, ModeKeys, RunConfig, TrainSpec, train_and_evaluate)
+from hostreduce.estimator import run_config as run_config_module  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+
+def _metrics_model_fn(features, labels, mode):
+    model = keras.Sequential([keras.layers.Dense(common.CLASSES)])
+    logits = model(features)
+    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    predictions = tf.argmax(logits, axis=-1)
+    if mode == ModeKeys.TRAIN:
+        from hostreduce.estimator import host_train_spec
+
+        return host_train_spec(mode, loss, keras.optimizers.SGD(0.1), model.trainable_variables)
+    keras_accuracy = keras.metrics.Accuracy()
+    keras_accuracy.update_state(labels, predictions)
+    keras_loss = keras.metrics.Mean()
+    keras_loss.update_state(loss)
+    keras_rmse = keras.metrics.RootMeanSquaredError()
+    keras_rmse.update_state(tf.cast(labels, tf.float32), tf.cast(predictions, tf.float32))
+    return EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        "accuracy": tf.compat.v1.metrics.accuracy(labels=labels, predictions=predictions),
+        "keras_accuracy": keras_accuracy,
+        "mean_loss": tf.compat.v1.metrics.mean(loss),
+        "keras_mean_loss": keras_loss,
+        "keras_rmse": keras_rmse,
+        "rmse": tf.compat.v1.metrics.root_mean_squared_error(tf.cast(labels, tf.float32),
+                                                             tf.cast(predictions, tf.float32)),
+    })
+
+
+def test_tf1_metric_pairs_equal_keras_metrics_and_reset_per_evaluation() -> None:
+    est = Estimator(_metrics_model_fn, config=RunConfig(log_step_count_steps=None))
+    eval_input = common.make_input_fn(repeat=False)
+    first = est.evaluate(eval_input, steps=7)
+    again = est.evaluate(eval_input, steps=7)
+    assert first == again  # state starts from zero at every evaluation
+    assert first["accuracy"] == pytest.approx(first["keras_accuracy"], abs=1e-7)
+    assert first["mean_loss"] == pytest.approx(first["keras_mean_loss"], rel=1e-6)
+    est.train(common.make_input_fn(), steps=5)
+    trained = est.evaluate(eval_input, steps=7)
+    assert trained["accuracy"] == pytest.approx(trained["keras_accuracy"], abs=1e-7)
+    # The RMSE over all 7 batches (not an average of per-batch values), as Keras computes it.
+    assert trained["rmse"] == pytest.approx(trained["keras_rmse"], rel=1e-6)
+    # Metric state is per evaluation: it is neither saved nor listed with the model.
+    assert not [n for n in est.get_variable_names() if "accuracy" in n or "total" in n], est.get_variable_names()
+
+
+def test_eval_spec_defaults_to_100_steps_on_a_repeating_dataset() -> None:
+    assert EvalSpec(lambda: None).steps == 100
+    batches = []
+
+    input_fn = common.make_input_fn(repeat=True)
+
+    def counting_model_fn(features, labels, mode):
+        spec = _metrics_model_fn(features, labels, mode)
+        if mode == ModeKeys.EVAL:
+            counter = tf.numpy_function(lambda: batches.append(1) or np.int32(0), [], tf.int32)
+            with tf.control_dependencies([counter]):
+                spec = spec._replace(loss=tf.identity(spec.loss))
+        return spec
+
+    est = Estimator(counting_model_fn, config=RunConfig(log_step_count_steps=None))
+    metrics, _ = train_and_evaluate(est, TrainSpec(input_fn, max_steps=3), EvalSpec(input_fn))
+    assert len(batches) == 100 and metrics["global_step"] == 3
+    with pytest.raises(ConfigError, match="hooks"):
+        train_and_evaluate(est, TrainSpec(input_fn, max_steps=3), EvalSpec(input_fn, hooks=[object()]))
+
+
+def test_run_config_accepts_device_settings_with_one_warning_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(run_config_module, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = RunConfig(session_config=tf.compat.v1.ConfigProto(allow_soft_placement=False),
+                           ipu_run_config=object(), iterations_per_loop=100, precision_mode="allow_mix_precision",
+                           save_checkpoints_steps=10)
+        RunConfig(session_config=None, iterations_per_loop=1)
+        replaced = config.replace(save_checkpoints_steps=20)
+    messages = [str(w.message) for w in caught]
+    for name in ("session_config", "ipu_run_config", "iterations_per_loop", "precision_mode"):
+        assert sum(f"`{name}`" in m for m in messages) == 1, messages
+    assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+    assert replaced.save_checkpoints_steps == 20 and set(replaced.device_options) == set(config.device_options)
+    with pytest.raises(ConfigError, match=r"unknown argument\(s\) \['save_checkpoint_steps'\]"):
+        RunConfig(save_checkpoint_steps=10)
+    with pytest.raises(ConfigError, match="save_checkpoints_secs"):
+        RunConfig(save_checkpoints_secs=-1)
+
+
+def test_input_fn_gets_params_and_config() -> None:
+    seen = {}
+
+    def input_fn(mode, params, config):
+        seen.update(mode=mode, params=params, config=config)
+        return common.make_input_fn()(mode)
+
+    config = RunConfig(log_step_count_steps=None)
+    est = Estimator(common.mlp_model_fn, config=config, params={"optimizer": "sgd", "depth": 1})
+    est.train(input_fn, steps=2)
+    assert seen == {"mode": ModeKeys.TRAIN, "params": {"optimizer": "sgd", "depth": 1}, "config": config}
+
+
+def test_estimator_spec_field_order_eval_metrics_and_session_hooks() -> None:
+    spec = EstimatorSpec(ModeKeys.PREDICT, {"y": 1})  # tf.estimator's order: mode, predictions, loss, ...
+    assert spec.predictions == {"y": 1} and spec.loss is None
+
+    def model_fn(features, labels, mode):
+        logits = keras.layers.Dense(common.CLASSES)(features)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+        predictions = tf.argmax(logits, axis=-1)
+
+        def metric_fn(labels, predictions):
+            return {"accuracy": tf.compat.v1.metrics.accuracy(labels, predictions)}
+
+        return EstimatorSpec(mode, loss=loss, eval_metrics=(metric_fn, {"labels": labels, "predictions": predictions}))
+
+    metrics = Estimator(model_fn).evaluate(common.make_input_fn(repeat=False), steps=3)
+    assert 0.0 <= metrics["accuracy"] <= 1.0
+    with pytest.raises(SpecError, match="training_hooks"):
+        EstimatorSpec(ModeKeys.TRAIN, loss=1.0, train_op=1.0, training_hooks=[object()]).validate()
+
+
+def test_progress_reaches_tensorflow_logging(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    est = Estimator(common.mlp_model_fn, params={"optimizer": "sgd"}, config=RunConfig(log_step_count_steps=2))
+    est.train(common.make_input_fn(), steps=4)
+    text = caplog.text
+    assert "step 2: loss" in text and "step 4: loss" in text and "Loss for final step" in text, text
