@@ -150,6 +150,45 @@ def test_tf1_slots_checkpointed_and_restored(tmp_path: Path) -> None:
         np.testing.assert_allclose(second.get_variables()[key], value, rtol=1e-6, err_msg=key)
 
 
+def test_ported_ipu_model_fn_trains() -> None:
+    """The model_fn of an IPU Estimator script, as written for ``import tensorflow.compat.v1
+    as tf``: tf.keras layers, a TF1 optimizer, the global step from tf.train."""
+    v1 = tf.compat.v1
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((160, 8, 8, 1)).astype("float32")
+    y = (x.mean(axis=(1, 2, 3)) > 0).astype("int32")
+
+    def model_fn(features, labels, mode):
+        model = v1.keras.Sequential([v1.keras.layers.Conv2D(4, 3, activation="relu"), v1.keras.layers.MaxPooling2D(),
+                                     v1.keras.layers.Flatten(), v1.keras.layers.Dense(8, activation="relu"),
+                                     v1.keras.layers.Dense(2)])
+        logits = model(features, training=mode == ModeKeys.TRAIN)
+        loss = v1.keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=v1.losses.Reduction.NONE)(labels, logits)
+        loss = v1.reduce_sum(loss) * (1. / BATCH)
+        if mode != ModeKeys.TRAIN:
+            return EstimatorSpec(mode=mode, loss=loss)
+        optimizer = v1.train.AdamOptimizer(1e-2)
+        variables = model.trainable_variables
+
+        def host_model_fn(*host_gradients):
+            return optimizer.apply_gradients(zip(host_gradients, variables),
+                                             global_step=v1.train.get_or_create_global_step())
+
+        grads_and_vars = optimizer.compute_gradients(loss, var_list=variables)
+        return EstimatorSpec(mode=mode, loss=loss, train_op=v1.identity(loss),
+                             host_call=(host_model_fn, [g for (g, _) in grads_and_vars]))
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True).repeat()
+
+    est = Estimator(model_fn, config=RunConfig(log_step_count_steps=None))
+    before = est.evaluate(input_fn, steps=4)["loss"]
+    est.train(input_fn, steps=30)
+    assert est.evaluate(input_fn, steps=4)["loss"] < 0.8 * before
+    assert int(est.get_variable_value("global_step")) == 30
+
+
 def test_update_inside_model_fn_with_several_workers_is_refused() -> None:
     variable = tf.Variable(np.ones(3, "float32"))
     optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)

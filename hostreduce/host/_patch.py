@@ -1,7 +1,8 @@
-"""Method routing for classes hostreduce does not own (optimizers of TensorFlow and
-Keras), active only inside a ``with`` block on the calling thread.
+"""Routing of methods and functions hostreduce does not own (optimizers of TensorFlow
+and Keras, ``tf.compat.v1.train`` functions), active only inside a ``with`` block on
+the calling thread.
 
-The class attribute is replaced once while any thread is inside a block for it and
+The attribute is replaced once while any thread is inside a block for it and
 restored when the last one leaves; the replacement sends every call made outside a
 block (other threads, user code after training) to the original method unchanged, so
 a routed call and a plain call can run side by side.
@@ -12,28 +13,29 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["routed_method"]
+__all__ = ["routed"]
 
 _lock = threading.Lock()
 _local = threading.local()
-# (class, method name) -> [original function, whether the class defined it itself, depth]
-_installed: dict[tuple[type, str], list[Any]] = {}
+# (class or module, name) -> [original, whether the owner defined it itself, depth]
+_installed: dict[tuple[Any, str], list[Any]] = {}
 
 
-def _active() -> dict[tuple[type, str], list[Callable[..., Any]]]:
+def _active() -> dict[tuple[Any, str], list[Callable[..., Any]]]:
     routes = getattr(_local, "routes", None)
     if routes is None:
         routes = _local.routes = {}
     return routes
 
 
-def _dispatcher(key: tuple[type, str]) -> Callable[..., Any]:
-    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _dispatcher(key: tuple[Any, str]) -> Callable[..., Any]:
+    # On a class this is a plain function, so the instance arrives first in ``args``.
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
         original = _installed[key][0]
         routes = _active().get(key)
         if not routes:
-            return original(self, *args, **kwargs)
-        return routes[-1](original, self, *args, **kwargs)
+            return original(*args, **kwargs)
+        return routes[-1](original, *args, **kwargs)
 
     dispatch.__name__ = key[1]
     dispatch.__doc__ = getattr(_installed[key][0], "__doc__", None)
@@ -41,16 +43,18 @@ def _dispatcher(key: tuple[type, str]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def routed_method(cls: type, name: str, route: Callable[..., Any]) -> Iterator[None]:
-    """Inside this block, on this thread, ``instance.name(*a, **k)`` for instances of
-    ``cls`` (and subclasses that do not override ``name``) calls
-    ``route(original, instance, *a, **k)``. Blocks nest; the innermost route wins."""
-    key = (cls, name)
+def routed(owner: Any, name: str, route: Callable[..., Any]) -> Iterator[None]:
+    """Inside this block, on this thread, calls of ``owner.name`` go to ``route``:
+    for a class, ``instance.name(*a, **k)`` (instances of ``owner`` and of subclasses
+    that do not override ``name``) calls ``route(original, instance, *a, **k)``; for a
+    module, ``owner.name(*a, **k)`` calls ``route(original, *a, **k)``. Blocks nest;
+    the innermost route wins."""
+    key = (owner, name)
     with _lock:
         entry = _installed.get(key)
         if entry is None:
-            entry = _installed[key] = [getattr(cls, name), name in cls.__dict__, 0]
-            setattr(cls, name, _dispatcher(key))
+            entry = _installed[key] = [getattr(owner, name), name in vars(owner), 0]
+            setattr(owner, name, _dispatcher(key))
         entry[2] += 1
     routes = _active().setdefault(key, [])
     routes.append(route)
@@ -63,6 +67,6 @@ def routed_method(cls: type, name: str, route: Callable[..., Any]) -> Iterator[N
             if entry[2] == 0:
                 original, owned, _ = _installed.pop(key)
                 if owned:
-                    setattr(cls, name, original)
+                    setattr(owner, name, original)
                 else:
-                    delattr(cls, name)
+                    delattr(owner, name)

@@ -21,7 +21,7 @@ import threading
 from typing import Any, Iterable, Iterator
 
 from ._keras import keras_of, loaded_kerases, underlying_variable
-from ._patch import routed_method
+from ._patch import routed
 
 __all__ = ["apply_gradients", "fused_apply_supported", "fused_optimizer_scope"]
 
@@ -165,5 +165,5 @@ def fused_optimizer_scope(enabled: bool = True) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if enabled:
             for package in loaded_kerases():
-                stack.enter_context(routed_method(package.optimizers.Optimizer, "apply_gradients", _routed_apply))
+                stack.enter_context(routed(package.optimizers.Optimizer, "apply_gradients", _routed_apply))
         yield

@@ -14,6 +14,8 @@ the optimizer's public methods are routed through this module:
   variable. Slots (and Adam's beta powers) are created by TensorFlow's code under the
   variable creator in scope, the Estimator's ``VariableStore``: they live on the host
   with ``variables_on_host``, and are checkpointed and restored with the model.
+- ``get_global_step``/``get_or_create_global_step`` give one ``global_step`` variable
+  held like the others (TensorFlow's own cannot be made inside a traced function).
 - ``minimize`` is the two together. Inside ``model_fn`` with several workers there is
   no averaging between them before the update, so ``minimize`` and
   ``apply_gradients`` raise ``SpecError`` there and say what to write instead.
@@ -28,7 +30,7 @@ from typing import Any, Iterator
 
 from ..errors import SpecError
 from ._keras import underlying_variable
-from ._patch import routed_method
+from ._patch import routed
 from .gradients import gradients_or_none, recorded_variables
 
 __all__ = ["tf1_optimizer_scope", "MODEL_FN", "HOST_CALL"]
@@ -59,20 +61,42 @@ def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[None]:
 
     if place not in (MODEL_FN, HOST_CALL):
         raise ValueError(f"`place` must be {MODEL_FN!r} or {HOST_CALL!r}. Received: place={place!r}")
-    base = tf.compat.v1.train.Optimizer
+    train = tf.compat.v1.train
     previous = getattr(_local, "context", None)
-    _local.context = (place, workers)
+    _local.context = _Context(place, workers)
     try:
         with contextlib.ExitStack() as stack:
             for name, route in _ROUTES.items():
-                stack.enter_context(routed_method(base, name, route))
+                stack.enter_context(routed(train.Optimizer, name, route))
+            for name in ("get_global_step", "get_or_create_global_step", "create_global_step"):
+                stack.enter_context(routed(train, name, _global_step))
             yield
     finally:
         _local.context = previous
 
 
-def _context() -> tuple[str, int]:
-    return getattr(_local, "context", None) or (HOST_CALL, 1)
+class _Context:
+    def __init__(self, place: str, workers: int) -> None:
+        self.place, self.workers = place, workers
+        self.global_step: Any = None
+
+
+def _context() -> _Context:
+    return getattr(_local, "context", None) or _Context(HOST_CALL, 1)
+
+
+def _global_step(original: Any, graph: Any = None) -> Any:
+    """``tf.compat.v1.train.get_global_step()`` and friends: one int64 variable named
+    ``global_step``, made by the variable creator in scope, so model_fn and host_call
+    share it and checkpoints hold it. As in TF1 it counts the ``apply_gradients`` /
+    ``minimize`` calls that are given it as ``global_step``."""
+    import tensorflow as tf
+
+    context = _context()
+    if context.global_step is None:
+        with tf.compat.v1.get_default_graph().name_scope(None):  # the same key wherever it is asked for
+            context.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    return context.global_step
 
 
 def _tf_variable(variable: Any, argument: str) -> Any:
@@ -113,7 +137,7 @@ def _compute_gradients(original: Any, self: Any, loss: Any, var_list: Any = None
 
 def _apply_gradients(original: Any, self: Any, grads_and_vars: Any, global_step: Any = None, name: Any = None,
                      *args: Any, **kwargs: Any) -> Any:
-    place, workers = _context()
+    place, workers = _context().place, _context().workers
     if place == MODEL_FN and workers > 1:
         raise SpecError(
             f"`{type(self).__name__}.apply_gradients` inside `model_fn` would update each of the {workers} "
@@ -126,7 +150,7 @@ def _apply_gradients(original: Any, self: Any, grads_and_vars: Any, global_step:
 
 
 def _minimize(original: Any, self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
-    place, workers = _context()
+    place, workers = _context().place, _context().workers
     if place == MODEL_FN and workers > 1:
         raise SpecError(
             f"`{type(self).__name__}.minimize` inside `model_fn` cannot average the gradients of the {workers} "
