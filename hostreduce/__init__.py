@@ -12,7 +12,7 @@ from .cluster import ClusterSpec, cluster_from_resolver, resolve_cluster
 from .config import Config
 from .errors import (AuthenticationError, ClusterError, CollectiveTimeoutError, ConfigError,
                      HostReduceError, PeerLostError, ReducerClosedError, SpecError,
-                     TensorMismatchError)
+                     TensorMismatchError, UnmatchedCollectiveError)
 from .reducers import Handle, ReduceOp, Reducer, available_reducers, create_reducer, register_reducer
 
 __version__ = "0.1.0"
@@ -30,7 +30,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "AuthenticationError", "ClusterError", "ClusterSpec", "CollectiveTimeoutError", "Config",
     "ConfigError", "Handle", "HostReduceError", "PeerLostError", "ReduceOp", "Reducer",
-    "ReducerClosedError", "SpecError", "TensorMismatchError", "available_reducers",
+    "ReducerClosedError", "SpecError", "TensorMismatchError", "UnmatchedCollectiveError", "available_reducers",
     "cluster_from_resolver", "create_reducer", "register_reducer", "resolve_cluster",
     *_LAZY,
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "PeerLostError",
     "AuthenticationError",
     "CollectiveTimeoutError",
+    "UnmatchedCollectiveError",
     "ReducerClosedError",
     "SpecError",
 ]
@@ -44,6 +45,12 @@ class AuthenticationError(HostReduceError):
 
 class CollectiveTimeoutError(HostReduceError, TimeoutError):
     """A collective did not complete within the configured timeout."""
+
+
+class UnmatchedCollectiveError(CollectiveTimeoutError):
+    """Every rank is waiting for a collective that some other rank has not submitted, so
+    none can complete (e.g. ranks submitted different names). Raised on every rank as
+    soon as that is known, instead of after the timeout."""
 
 
 class ReducerClosedError(HostReduceError):

@@ -275,3 +275,108 @@ def lane_after_async_bursts(rank: int, size: int) -> dict:
             took = time.monotonic() - start
             worst, total = max(worst, took), total + took
         return {"fast": r.stats().get("fast_lane", 0), "worst_s": worst, "total_s": total}
+
+
+def _fix_token(token: str) -> None:
+    """Rank 0 names the job's shared-memory entries with ``token`` (so that a test can
+    find exactly this job's entries among those of other jobs on the host)."""
+    import types
+
+    from hostreduce.reducers.ring import negotiation
+
+    negotiation.secrets = types.SimpleNamespace(token_hex=lambda n: token)
+
+
+def killed_while_growing(rank: int, size: int, victim: int, delay: float, token: str) -> str:
+    """All-reduces and all-gathers of growing sizes (shared segments grow) until the
+    victim SIGKILLs itself ``delay`` s after it starts, in start-up or in the loop."""
+    import threading
+
+    if rank == victim:
+        killer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
+        killer.daemon = True
+        killer.start()
+    if rank == 0:
+        _fix_token(token)
+    try:
+        with make_reducer("shm", timeout_s=3.0, connect_timeout_s=3.0) as r:
+            for i in range(10_000):
+                n = 1 << (8 + i % 15)
+                r.allreduce(f"a{i}", np.ones(n, np.float32))
+                r.allgather(f"g{i}", np.ones(n, np.float32))
+        return "no error"
+    except Exception as e:  # the test inspects the type and message
+        return f"{type(e).__name__}: {e}"
+
+
+def short_shm_job(rank: int, size: int, token: str) -> bool:
+    if rank == 0:
+        _fix_token(token)
+    with make_reducer("shm") as r:
+        return bool(np.all(r.allreduce("x", np.ones(4, np.float32)) == size))
+
+
+def different_names(rank: int, size: int, transport: str) -> dict:
+    """First a collective that rank 1 submits late while rank 0 waits for it (not an
+    error: rank 1 is not waiting meanwhile); then blocking all-reduces under a different
+    name on every rank, which must fail at once on every rank; then the ring still works."""
+    with make_reducer(transport, timeout_s=20.0) as r:
+        r.allreduce("warm", np.ones(4, np.float32))
+        r.barrier()
+        start = time.monotonic()
+        if rank == 1:
+            later = r.allreduce_async("later", np.ones(4, np.float32))
+            time.sleep(1.5)
+            first = r.allreduce("first", np.ones(4, np.float32))
+            later.wait()
+        else:
+            first = r.allreduce("first", np.ones(4, np.float32))
+            r.allreduce("later", np.ones(4, np.float32))
+        late_s = time.monotonic() - start
+        r.barrier()
+        start = time.monotonic()
+        try:
+            r.allreduce(f"n{rank}", np.ones(4, np.float32))
+            err = "no error"
+        except Exception as e:  # the test inspects the type and message
+            err = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - start
+        after = r.allreduce("after", np.full(4, rank + 1.0, np.float32))
+        return {"first": float(first[0]), "late_s": late_s, "error": err, "took": took,
+                "is_timeout": "CollectiveTimeoutError" in err or "UnmatchedCollectiveError" in err,
+                "after": float(after[0])}
+
+
+def freeze_mid_job(rank: int, size: int, transport: str, victim: int, timeout_s: float, marks: str) -> str:
+    """The victim stops itself (SIGSTOP) while every rank runs all-reduces; each survivor
+    reports its error and how long after the freeze it came, and the last one to do so
+    kills the victim."""
+    with make_reducer(transport, timeout_s=timeout_s) as r:
+        pids = [int(p) for p in r.allgather("pids", np.array([os.getpid()], np.int64))]
+        r.barrier()
+        if rank == victim:
+            time.sleep(0.3)
+            frozen_at = time.time()
+            with open(os.path.join(marks, "frozen"), "w") as f:
+                f.write(repr(frozen_at))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(60)
+            return "resumed"
+        try:
+            for i in range(100_000):
+                r.allreduce(f"t{i}", np.ones(10_000 if i % 2 else 100, np.float32))
+            out = "no error"
+        except Exception as e:  # the test inspects the type and message
+            with open(os.path.join(marks, "frozen")) as f:
+                frozen_at = float(f.read())
+            out = f"{type(e).__name__} after {time.time() - frozen_at:.1f}s: {e}"
+        with open(os.path.join(marks, f"done{rank}"), "w"):
+            pass
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len([n for n in os.listdir(marks) if n.startswith("done")]) < size - 1:
+            time.sleep(0.05)
+        try:
+            os.kill(pids[victim], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return out

@@ -186,3 +186,70 @@ def test_blocking_calls_after_async_bursts_take_the_lane_without_stalls(size):
     # watchdog's stall detection; most steps use the lane once ranks are in step.
     assert all(o["worst_s"] < 0.4 for o in outs), [round(o["worst_s"], 3) for o in outs]
     assert all(o["fast"] >= 15 for o in outs), [o["fast"] for o in outs]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_different_names_fail_every_rank_at_once_not_at_the_timeout(size, transport):
+    outs = run_ranks(w.different_names, size, args=(transport,), timeout=60)
+    for r, o in enumerate(outs):
+        # Rank 1 submitted "later" long before it was ready for "first": no error, and
+        # rank 0 waited for it (rank 1 was not blocked meanwhile).
+        assert o["first"] == size and o["late_s"] > 1.4, o
+        assert o["error"].startswith("UnmatchedCollectiveError: No collective is pending on every rank"), o
+        assert o["is_timeout"]  # a CollectiveTimeoutError subclass
+        assert all(f"rank {q} waits for ['n{q}']" in o["error"] for q in range(size)), o["error"]
+        assert o["took"] < 2.0, f"rank {r}: reported after {o['took']:.1f} s (timeout_s is 20)"
+        assert o["after"] == size * (size + 1) / 2
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("size,victim", [(2, 1), (4, 2)])
+def test_frozen_peer_is_named_on_every_other_rank_within_the_timeout(size, victim, transport, tmp_path):
+    timeout_s = 2.0
+    outs = run_ranks_allow_failure(w.freeze_mid_job, size, args=(transport, victim, timeout_s, str(tmp_path)),
+                                   timeout=60)
+    assert outs[victim] == "killed"
+    for r, o in enumerate(outs):
+        if r == victim:
+            continue
+        assert o.startswith("PeerLostError"), f"rank {r}: {o}"
+        assert f"rank {victim} has not answered for " in o and "(stopped or hung)" in o, f"rank {r}: {o}"
+        # The freeze comes 0.3 s into a loop of all-reduces: reported after at most
+        # timeout_s and a heartbeat, and not before a silence of about a second.
+        after = float(o.split(" after ")[1].split("s:")[0])
+        assert 0.8 < after < timeout_s + 1.0, f"rank {r}: {o}"
+
+
+@pytest.mark.timeout(150)
+def test_ranks_killed_at_random_moments_leave_nothing_in_dev_shm():
+    import concurrent.futures
+    import glob
+    import random
+    import secrets
+
+    rng = random.Random(secrets.randbits(32))
+    trials = []
+    for t in range(20):
+        size = 2 + t % 2
+        trials.append((size, rng.randrange(size), rng.uniform(0.0, 1.5), secrets.token_hex(8)))
+
+    def trial(spec):
+        size, victim, delay, token = spec
+        return run_ranks_allow_failure(w.killed_while_growing, size, args=(victim, delay, token), timeout=40)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(trial, trials))
+    for (size, victim, delay, token), outs in zip(trials, results):
+        where = f"victim {victim} of {size} killed after {delay:.2f} s: {outs}"
+        assert outs[victim] == "killed" or outs[victim].startswith(("PeerLostError", "ClusterError")), where
+        for r, o in enumerate(outs):
+            if r != victim:  # never a raw OSError
+                assert o.startswith(("PeerLostError", "ClusterError")), where
+    # Jobs whose every process is gone are swept by the next job that starts.
+    token = secrets.token_hex(8)
+    assert run_ranks(w.short_shm_job, 2, args=(token,), timeout=40) == [True, True]
+    left = [p for *_, t in trials + [(0, 0, 0, token)] for p in glob.glob(f"/dev/shm/hostreduce-{t}-*")]
+    assert not left, left

@@ -248,6 +248,69 @@ def test_collective_missing_on_a_rank_times_out_with_the_ranks_named():
     assert "not by ranks [1]" in item["error"]
 
 
+def test_ranks_all_blocked_on_names_not_common_to_all_fail_together_after_settling():
+    now = [0.0]
+    coord, plans = coordinator(size=3, clock=lambda: now[0])
+    coord.on_ready(0, [entry("a"), entry("c")])
+    coord.on_ready(1, [entry("b"), entry("c")])
+    coord.on_ready(2, [entry("a")])
+    coord.on_blocked(0, "a")
+    coord.on_blocked(1, "b")
+    coord.check_blocked()
+    assert plans == []  # rank 2 is not waiting: it may still submit "b"
+    coord.on_blocked(2, "a")
+    coord.check_blocked()
+    now[0] = 0.2
+    coord.check_blocked()
+    assert plans == []  # settling: a message may still be on its way
+    now[0] = 0.4
+    coord.check_blocked()
+    (item,) = plans
+    assert item["etype"] == "unmatched" and item["names"] == ["a", "b", "c"] and item["ranks"] == [0, 1, 2]
+    assert ("rank 0 waits for ['a', 'c'], rank 1 waits for ['b', 'c'], rank 2 waits for ['a']"
+            in item["error"]), item["error"]
+    coord.on_ready(0, [entry("a")])  # the names are free again
+    coord.on_ready(1, [entry("a")])
+    coord.on_ready(2, [entry("a")])
+    assert plans[-1] == {"kind": "allreduce", "names": ["a"]}
+
+
+def test_a_rank_that_submits_or_stops_waiting_is_not_blocked():
+    now = [0.0]
+    coord, plans = coordinator(size=2, clock=lambda: now[0])
+    coord.on_ready(0, [entry("a")])
+    coord.on_ready(1, [entry("b")])
+    coord.on_blocked(0, "a")
+    coord.on_blocked(1, "b")
+    coord.on_ready(1, [entry("a")])  # rank 1 submits what rank 0 waits for: planned
+    for t in (0.0, 1.0, 2.0):
+        now[0] = t
+        coord.check_blocked()
+    assert [i["kind"] for i in plans] == ["allreduce"]
+    coord.on_blocked(0, None)
+    coord.on_blocked(1, "b")  # rank 0 no longer waits (its wait timed out)
+    for t in (3.0, 4.0):
+        now[0] = t
+        coord.check_blocked()
+    assert len(plans) == 1
+    coord.on_blocked(0, "zzz")  # a name this rank has not announced (yet): not blocked on it
+    for t in (5.0, 6.0):
+        now[0] = t
+        coord.check_blocked()
+    assert len(plans) == 1
+
+
+def test_a_stall_on_a_rank_that_stopped_answering_blames_that_rank():
+    now = [0.0]
+    coord, plans = coordinator(size=3, timeout=5.0, clock=lambda: now[0])
+    coord.on_ready(0, [entry("x")])
+    coord.on_ready(2, [entry("x")])
+    now[0] = 6.0
+    coord.check_stalls(lambda missing: f"rank {missing[0]} has not answered for 6.0 s (stopped or hung)")
+    (item,) = plans
+    assert item["etype"] == "lost" and item["error"] == "rank 1 has not answered for 6.0 s (stopped or hung)"
+
+
 def test_announcement_with_data_round_trips():
     from hostreduce.reducers.ring.grpc_mesh import decode_announcement, encode_announcement
 

@@ -10,6 +10,15 @@ buckets of their own (up to ``gather_threshold`` bytes) that rank 0 reduces itse
 Disagreements and collectives that some ranks never submit become error items, so
 every rank that submitted them fails with a message naming each rank's value.
 
+Ranks also tell the coordinator when a wait of theirs has lasted a while ("blocked on
+name", ``on_blocked``). When every rank is blocked on a name that it announced but that
+some other rank has not, no collective can complete: a name announced by every rank is
+planned at once, so none is pending everywhere, and a blocked rank submits nothing more.
+After a short settling time (messages in flight) every pending collective of every rank
+fails with one message naming each rank's pending names, instead of after the timeout.
+Collectives that are merely not matched yet (a rank that will submit them later, and
+is not waiting) are never reported this way.
+
 Pure logic: no threads or sockets, so it is tested directly.
 """
 from __future__ import annotations
@@ -20,6 +29,10 @@ import time
 from typing import Any, Callable
 
 __all__ = ["Coordinator", "describe", "decide_data_path"]
+
+# How long every rank must stay blocked with nothing in common before it is reported.
+_SETTLE_S = 0.3
+_LIST_NAMES = 8   # pending names listed per rank in that report
 
 Entry = dict[str, Any]
 _FIELDS = {
@@ -40,7 +53,7 @@ def describe(entry: Entry) -> Entry:
 class Coordinator:
     def __init__(self, size: int, fusion_threshold: int, send_plan: Callable[[list[dict]], None],
                  timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 gather_threshold: int = 1 << 20) -> None:
+                 gather_threshold: int = 1 << 20, settle_s: float = _SETTLE_S) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
         self.gather_threshold = gather_threshold
@@ -50,10 +63,16 @@ class Coordinator:
         self._table: dict[str, dict[int, Entry]] = {}
         self._first_seen: dict[str, float] = {}
         self._departed: set[int] = set()
+        self._blocked: dict[int, str] = {}    # rank -> the name its caller waits for
+        self._stuck_since: float | None = None
+        self._settle = settle_s
         self._lock = threading.Lock()
 
     def on_ready(self, rank: int, entries: list[Entry]) -> None:
         with self._lock:
+            # A rank that submits is not blocked (its blocked notice comes again if it is).
+            self._blocked.pop(rank, None)
+            self._stuck_since = None
             complete: list[str] = []
             for e in entries:
                 name = e["name"]
@@ -68,6 +87,45 @@ class Coordinator:
                 self._send(items)
             if self._departed:
                 self._fail_waiting_on_departed()
+
+    def on_blocked(self, rank: int, name: str | None) -> None:
+        """``rank``'s caller has waited a while for collective ``name`` (None: it stopped
+        waiting). Notices come again while the wait lasts."""
+        with self._lock:
+            if name is None:
+                self._blocked.pop(rank, None)
+            elif self._blocked.get(rank) != name:
+                self._blocked[rank] = name
+                self._stuck_since = None
+
+    def check_blocked(self) -> None:
+        """Fail every pending collective at once when every rank waits for one that some
+        other rank has not submitted (and has for ``settle_s``)."""
+        with self._lock:
+            stuck = len(self._blocked) == self.size and all(
+                rank in self._table.get(name, {}) for rank, name in self._blocked.items())
+            if not stuck:
+                self._stuck_since = None
+                return
+            now = self._clock()
+            if self._stuck_since is None:
+                self._stuck_since = now
+                return
+            if now - self._stuck_since < self._settle:
+                return
+            pending = {r: sorted(n for n, slot in self._table.items() if r in slot) for r in range(self.size)}
+            waits = ", ".join(f"rank {r} waits for {_some(names)}" for r, names in pending.items())
+            names = sorted(self._table)
+            for name in names:
+                del self._table[name]
+                del self._first_seen[name]
+            self._blocked.clear()
+            self._stuck_since = None
+            self._send([{
+                "kind": "error", "etype": "unmatched", "names": names, "ranks": list(range(self.size)),
+                "error": (f"No collective is pending on every rank, and every rank is waiting: {waits} "
+                          "(every rank must submit the same collectives)"),
+            }])
 
     def mark_departed(self, rank: int) -> None:
         """``rank`` closed its reducer: fail what waits for it, now and from now on."""
@@ -88,8 +146,11 @@ class Coordinator:
         if items:
             self._send(items)
 
-    def check_stalls(self) -> None:
-        """Fail collectives that some ranks submitted and others did not, after the timeout."""
+    def check_stalls(self, not_answering: Callable[[list[int]], str | None] | None = None) -> None:
+        """Fail collectives that some ranks submitted and others did not, after the timeout.
+        ``not_answering(ranks)`` says which of the missing ranks has stopped answering, if
+        one has: the collective then fails as lost to that rank (etype "lost"), since the
+        submission order is not to blame."""
         with self._lock:
             now = self._clock()
             stale = [n for n, t in self._first_seen.items() if now - t > self._timeout]
@@ -98,6 +159,11 @@ class Coordinator:
                 slot = self._table.pop(name)
                 del self._first_seen[name]
                 missing = sorted(set(range(self.size)) - set(slot))
+                why = not_answering(missing) if not_answering is not None else None
+                if why is not None:
+                    items.append({"kind": "error", "etype": "lost", "names": [name], "ranks": sorted(slot),
+                                  "error": why})
+                    continue
                 items.append({
                     "kind": "error", "etype": "stall", "names": [name], "ranks": sorted(slot),
                     "error": (f"Collective {name!r} was submitted by ranks {sorted(slot)} but not by ranks "
@@ -167,6 +233,12 @@ class Coordinator:
                 per_rank = ", ".join(f"rank {r}: {_fmt(field, v)}" for r, v in enumerate(values))
                 return f"Tensor {name!r} mismatch across ranks in {field}: {per_rank}"
         return None
+
+
+def _some(names: list[str]) -> str:
+    if len(names) <= _LIST_NAMES:
+        return str(names)
+    return f"{names[:_LIST_NAMES]} and {len(names) - _LIST_NAMES} more"
 
 
 def _fmt(field: str, value: Any) -> str:

@@ -6,12 +6,20 @@ over the ring (gRPC) or the shared-memory path, and completes the handles.
 
 On one host a blocking ``allreduce`` with nothing else in flight may skip rank 0 and
 run on the calling thread (``lane.py``).
+
+Faults are named for what they are. A caller that has waited a while tells rank 0 it is
+blocked, so that ranks all waiting for collectives that differ fail at once
+(``UnmatchedCollectiveError``, see ``negotiation.py``). Every rank sends a heartbeat to
+every peer a few times a second; a peer silent for ``timeout_s`` (stopped or hung: its
+connection may stay open) fails the job with a ``PeerLostError`` that names it, and any
+other wait that times out names a silent peer first, since it is the likely cause.
 """
 from __future__ import annotations
 
 import collections
 import json
 import logging
+import os
 import queue
 import socket
 import threading
@@ -23,7 +31,7 @@ import numpy as np
 
 from ...config import Config
 from ...errors import (ConfigError, PeerLostError, ReducerClosedError, TensorMismatchError,
-                       CollectiveTimeoutError, HostReduceError)
+                       CollectiveTimeoutError, HostReduceError, UnmatchedCollectiveError)
 from ..base import Handle, ReduceOp, Reducer, check_array, register_reducer
 from .datapath import DataPath
 from .negotiation import Coordinator, decide_data_path
@@ -39,6 +47,14 @@ log = logging.getLogger("hostreduce.ring")
 # latencies instead of a negotiation round trip plus the ring's 2(N-1) steps.
 _GATHER_MAX_BYTES = 256 * 1024
 _GATHER_BUCKET_BYTES = 1 << 20
+# A caller waiting this long tells rank 0 it is blocked, and again at this interval.
+_BLOCKED_AFTER_S = 0.25
+_BLOCKED_EVERY_S = 0.5
+# Heartbeats to every peer at this interval; a wait that times out blames a peer silent
+# for _SILENT_S (or timeout_s / 2, if less) before anything else.
+_BEAT_S = 0.25
+_SILENT_S = 1.0
+_BEAT = b'{"t": "beat"}'
 
 
 @dataclass
@@ -49,6 +65,47 @@ class _Pending:
     op: ReduceOp
     root: int
     handle: Handle
+
+
+class _RingHandle(CountedHandle):
+    """A handle whose long waits tell rank 0 that this rank is blocked (``_waits``)."""
+
+    __slots__ = ("_waits",)
+
+    def __init__(self, name: str, waits: Any) -> None:
+        super().__init__(name)
+        self._waits = waits
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._event.is_set() and not self._waits(self, timeout):
+            raise CollectiveTimeoutError(f"Collective {self.name!r} did not complete within timeout={timeout} s")
+        return super().wait(0)
+
+
+class _NamingLink:
+    """The ring's link, whose receive timeouts name the peer that stopped answering (in
+    a ring, every rank times out waiting for its neighbour, not only the frozen one's)."""
+
+    def __init__(self, link: Any, explain: Any) -> None:
+        self._link, self._explain = link, explain
+
+    def send(self, tag: int, data: np.ndarray) -> None:
+        self._link.send(tag, data)
+
+    def send_to(self, dst: int, tag: int, data: np.ndarray) -> None:
+        self._link.send_to(dst, tag, data)
+
+    def recv(self, tag: int) -> memoryview:
+        try:
+            return self._link.recv(tag)
+        except PeerLostError as e:
+            raise self._explain(e) from None
+
+    def recv_from(self, src: int, tag: int) -> memoryview:
+        try:
+            return self._link.recv_from(src, tag)
+        except PeerLostError as e:
+            raise self._explain(e) from None
 
 
 @register_reducer("ring")
@@ -106,6 +163,10 @@ class RingReducer(Reducer):
         self._lane: FastLane | None = None   # one host only
         self._slow_open = 0       # collectives negotiated through rank 0 and not finished
         self._slow_done = 0
+        self._token: str | None = None   # names the job's entries in /dev/shm (one host)
+        self._heard = [time.monotonic()] * self._size   # when each peer was last heard from
+        self._gone: set[int] = set()     # peers that closed in an orderly way
+        self._silent_s = min(_SILENT_S, self._config.timeout_s / 2)
         if self._rank == 0:
             self._coordinator = Coordinator(self._size, self._config.fusion_threshold_bytes,
                                             self._publish_plan, self._config.timeout_s,
@@ -118,10 +179,15 @@ class RingReducer(Reducer):
             if self._size > 1:
                 self._start_mesh()
         except BaseException as e:
-            # A configuration refusal is an orderly goodbye; anything else is not.
-            self._shutdown(graceful=isinstance(e, ConfigError))
-            raise
-        self._data = DataPath(self._rank, self._size, self._config.chunk_bytes, self._link, self._shm)
+            # A configuration refusal is an orderly goodbye; anything else is not. A file
+            # of the job that went away means a peer failed: say which, not the path.
+            err = self._explain_os_error(e) if isinstance(e, OSError) else e
+            self._shutdown(graceful=isinstance(err, ConfigError))
+            if err is e:
+                raise
+            raise err from None
+        link = None if self._link is None else _NamingLink(self._link, self._explain_timeout)
+        self._data = DataPath(self._rank, self._size, self._config.chunk_bytes, link, self._shm)
         if self.transport == "shm" and self._config.fast_lane and FastLane.supported():
             self._lane = FastLane(self._shm, self._rank, self._config.timeout_s)
         self._stop = threading.Event()
@@ -132,7 +198,7 @@ class RingReducer(Reducer):
         self._executor = threading.Thread(target=self._run, name=f"hostreduce-ring-{self._rank}", daemon=True)
         self._executor.start()
         self._watchdog: threading.Thread | None = None
-        if (self._coordinator is not None and self._size > 1) or self._lane is not None:
+        if self._size > 1:
             self._watchdog = threading.Thread(target=self._watch, name="hostreduce-watchdog", daemon=True)
             self._watchdog.start()
 
@@ -155,14 +221,23 @@ class RingReducer(Reducer):
                               on_ctl=self._on_ctl, on_peer_lost=self._on_peer_lost,
                               on_departed=self._on_departed, on_announce=self._on_announce)
         self._mesh.start(cfg.connect_timeout_s)
+        from ._stale import start_time
+
         hello = {"t": "join", "rank": self._rank, "transport": cfg.transport, "chunk_bytes": cfg.chunk_bytes,
-                 "fast_lane": cfg.fast_lane, "single_copy": cfg.single_copy, "host": socket.gethostname()}
+                 "fast_lane": cfg.fast_lane, "single_copy": cfg.single_copy, "host": socket.gethostname(),
+                 "pid": os.getpid(), "start": start_time(os.getpid())}
         if self._rank == 0:
             joins = [hello]
             while len(joins) < self._size:
                 joins.append(self._setup_get())
             welcome = decide_data_path(joins)
             if welcome.get("transport") == "shm":
+                from ._stale import sweep, write_owners
+
+                sweep()  # entries that jobs killed earlier on this host left behind
+                joins.sort(key=lambda j: j["rank"])
+                self._token = welcome["token"]
+                write_owners(self._token, [j.get("pid", 0) for j in joins], [j.get("start", -1) for j in joins])
                 # Shared resources exist before any peer learns their names.
                 self._open_local_paths(welcome["token"], create=True)
             for peer in range(1, self._size):
@@ -175,6 +250,7 @@ class RingReducer(Reducer):
         self.transport = welcome["transport"]
         if self.transport == "shm":
             if self._rank != 0:
+                self._token = welcome["token"]
                 self._open_local_paths(welcome["token"], create=False)
             assert self._shm is not None and self._local is not None
             self._shm.barrier()  # every rank reads its own pipe before anyone writes
@@ -198,7 +274,7 @@ class RingReducer(Reducer):
             create_fifos(token, self._size)
             self._owns_fifos = True
         self._shm = ShmGroup(self._rank, self._size, token, cfg.timeout_s, lambda: self._error,
-                             use_cma=cfg.single_copy)
+                             use_cma=cfg.single_copy, not_answering=self._silent_peer_error)
         self._local = LocalControl(self._rank, self._size, token, self._on_local, cfg.timeout_s)
 
     def _on_local(self, payload: bytes) -> None:
@@ -220,10 +296,16 @@ class RingReducer(Reducer):
 
     # ------------------------------------------------------------------ messages
     def _on_ctl(self, src: int, payload: bytes) -> None:
+        if 0 <= src < self._size:
+            self._heard[src] = time.monotonic()
         msg = payload if isinstance(payload, dict) else json.loads(bytes(payload))
         t = msg.get("t")
+        if t == "beat":
+            return
         if t == "ready" and self._coordinator is not None:
             self._coordinator.on_ready(src, msg["entries"])
+        elif t == "blocked" and self._coordinator is not None:
+            self._coordinator.on_blocked(src, msg.get("name"))
         elif t == "plan":
             if self._inline_plans:
                 # A follower on one host: the pipe's reader thread runs the plan itself,
@@ -284,7 +366,18 @@ class RingReducer(Reducer):
                     break
                 entries.append(nxt)
             try:
-                self._send_entries(entries)
+                # Blocked notices ("t") keep their place among the announcements.
+                batch: list[dict] = []
+                for entry in entries:
+                    if "t" not in entry:
+                        batch.append(entry)
+                        continue
+                    if batch:
+                        self._send_entries(batch)
+                        batch = []
+                    self._send_note(entry)
+                if batch:
+                    self._send_entries(batch)
             except Exception as e:
                 self._fail(PeerLostError(f"Rank {self._rank}: announcing a collective failed: "
                                          f"{type(e).__name__}: {e}"))
@@ -303,10 +396,48 @@ class RingReducer(Reducer):
             else:
                 self._mesh.send(0, CTL, 0, json.dumps({"t": "ready", "entries": entries}).encode())
 
+    def _send_note(self, note: dict) -> None:
+        if self._rank == 0:
+            assert self._coordinator is not None
+            self._coordinator.on_blocked(0, note["name"])
+        elif self._local is not None:
+            self._local.send(0, json.dumps(note).encode())
+        else:
+            from .grpc_mesh import CTL
+
+            self._mesh.send(0, CTL, 0, json.dumps(note).encode())
+
+    def _note_blocked(self, name: str | None) -> None:
+        """Tell rank 0 that a caller on this rank has been waiting for ``name`` (None: it
+        stopped waiting); through the announcer, so after this rank's announcements."""
+        if self._size > 1 and self._error is None:
+            self._announcements.put({"t": "blocked", "rank": self._rank, "name": name})
+
+    def _wait_blocked(self, handle: Handle, timeout: float | None) -> bool:
+        """``handle.wait``'s wait: whether the handle finished within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if handle.wait_done(_BLOCKED_AFTER_S if timeout is None else min(_BLOCKED_AFTER_S, timeout)):
+            return True
+        noticed = False
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._note_blocked(handle.name)
+                noticed = True
+                if handle.wait_done(_BLOCKED_EVERY_S if left is None else min(_BLOCKED_EVERY_S, left)):
+                    return True
+        finally:
+            if noticed:
+                self._note_blocked(None)
+
     def _on_announce(self, src: int, payload: memoryview) -> None:
         """Rank 0: announcements from ``src`` with the data of its small all-reduces."""
         from .grpc_mesh import decode_announcement
 
+        if 0 <= src < self._size:
+            self._heard[src] = time.monotonic()
         try:
             if self._coordinator is None:
                 raise ValueError("only rank 0 takes announcements")
@@ -316,6 +447,7 @@ class RingReducer(Reducer):
 
     def _on_departed(self, peer: int) -> None:
         """A peer closed its reducer in an orderly way."""
+        self._gone.add(peer)
         if self._coordinator is not None:
             self._coordinator.mark_departed(peer)
         elif peer == 0:
@@ -343,19 +475,85 @@ class RingReducer(Reducer):
         self._setup.put(err)
 
     def _watch(self) -> None:
-        # Stalls are checked every 0.5 s; a rank on one host also looks every 50 ms for
-        # negotiated work that made no progress, while a peer may wait on its lane word.
-        finished, tick = -1, 0
-        while not self._stop.wait(0.05 if self._lane is not None else 0.5):
+        # Every 50 ms (on one host, with the lane: negotiated work that made no progress,
+        # while a peer may wait on its lane word) or 100 ms: heartbeats, silent peers,
+        # ranks all blocked (rank 0); stalls every 0.5 s.
+        period = 0.05 if self._lane is not None else 0.1
+        finished, tick, beat_at, last = -1, 0, 0.0, time.monotonic()
+        while not self._stop.wait(period):
             tick += 1
+            now = time.monotonic()
+            late, last = now - last - period, now
             try:
-                finished = self._watch_once(finished, self._lane is None or tick % 10 == 0)
+                if late > 0.5:
+                    # This process did not run (stopped, or starved): peers could not be
+                    # heard meanwhile, so that silence is not theirs.
+                    self._heard = [max(h, min(h + late, now)) for h in self._heard]
+                if now >= beat_at:
+                    beat_at = now + _BEAT_S
+                    self._beat()
+                lost = self._silent_peer_error(self._config.timeout_s)
+                if lost is not None:
+                    self._fail(lost)
+                finished = self._watch_once(finished, tick % round(0.5 / period) == 0)
             except Exception as e:  # keep watching: peers may depend on this thread
                 log.warning("rank %d: watchdog: %s: %s", self._rank, type(e).__name__, e)
 
+    def _beat(self) -> None:
+        from .grpc_mesh import CTL
+
+        for peer in range(self._size):
+            if peer != self._rank and peer not in self._gone:
+                self._mesh.send(peer, CTL, 0, _BEAT)
+
+    def _silent_peer(self, after: float, ranks: list[int] | None = None) -> tuple[int, float] | None:
+        """The peer (of ``ranks``, default all) silent the longest, if over ``after`` s."""
+        now = time.monotonic()
+        frames = getattr(self._mesh, "_last_frame", None) or {}
+        worst: tuple[int, float] | None = None
+        for peer in range(self._size) if ranks is None else ranks:
+            if peer == self._rank or peer in self._gone:
+                continue
+            silent = now - max(self._heard[peer], frames.get(peer, 0.0))
+            if silent > after and (worst is None or silent > worst[1]):
+                worst = (peer, silent)
+        return worst
+
+    @staticmethod
+    def _silence_text(peer: int, silent: float) -> str:
+        return f"rank {peer} has not answered for {silent:.1f} s (stopped or hung)"
+
+    def _silent_peer_error(self, after: float | None = None) -> PeerLostError | None:
+        if self._error is not None:
+            return None
+        found = self._silent_peer(self._silent_s if after is None else after)
+        return None if found is None else PeerLostError(f"Rank {self._rank}: {self._silence_text(*found)}")
+
+    def _explain_timeout(self, err: PeerLostError) -> BaseException:
+        """A wait for a peer ended: the job's error if it has one, else a silent peer's."""
+        if self._error is not None:
+            return self._error
+        return self._silent_peer_error() or err
+
+    def _explain_os_error(self, err: OSError) -> BaseException:
+        """A file of the job went away (a peer that failed removed it, or died): wait a
+        moment for the connection that names the lost peer, else say what is known."""
+        deadline = time.monotonic() + 2.0
+        while self._error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if isinstance(self._error, HostReduceError) and not isinstance(self._error, ReducerClosedError):
+            return self._error
+        return self._silent_peer_error() or PeerLostError(
+            f"Rank {self._rank}: the job's shared memory went away ({type(err).__name__}: {err}); a peer has "
+            "probably exited")
+
     def _watch_once(self, finished: int, stalls: bool) -> int:
+        if self._coordinator is not None:
+            self._coordinator.check_blocked()
         if self._coordinator is not None and stalls:
-            self._coordinator.check_stalls()
+            found = self._silent_peer
+            self._coordinator.check_stalls(
+                lambda missing: None if (f := found(self._silent_s, missing)) is None else self._silence_text(*f))
         if self._lane is not None:
             with self._lock:
                 stuck = self._slow_open and self._slow_done == finished
@@ -370,7 +568,7 @@ class RingReducer(Reducer):
     def _submit(self, name: str, kind: str, arr: np.ndarray, out: np.ndarray | None,
                 op: ReduceOp, root: int) -> Handle:
         self._check_open()
-        handle = CountedHandle(name)
+        handle = _RingHandle(name, self._wait_blocked)
         entry = self._entry(name, kind, arr, op, root)
         with self._lock:
             self._admit(name)
@@ -417,7 +615,7 @@ class RingReducer(Reducer):
         self._check_out(name, arr, out)
         rop = ReduceOp.parse(op)
         self._check_open()
-        handle = CountedHandle(name)
+        handle = _RingHandle(name, self._wait_blocked)
         with self._lock:
             self._admit(name)
             fast = not self._pending and not self._slow_open and lane.open()
@@ -447,11 +645,21 @@ class RingReducer(Reducer):
         the lane for this rank's word of the next round: post "slow" for it at once."""
         lane = self._lane
         assert lane is not None
-        while not handle.done():
-            with self._lock:
-                if self._error is None:
-                    lane.note_slow()
-            handle.wait_done(0.002)
+        start = time.monotonic()
+        noticed = 0.0
+        try:
+            while not handle.done():
+                with self._lock:
+                    if self._error is None:
+                        lane.note_slow()
+                handle.wait_done(0.002)
+                now = time.monotonic()
+                if now - start >= _BLOCKED_AFTER_S and now - noticed >= _BLOCKED_EVERY_S:
+                    self._note_blocked(handle.name)
+                    noticed = now
+        finally:
+            if noticed:
+                self._note_blocked(None)
         return handle.wait()
 
     def _lane_run(self, lane: FastLane, name: str, arr: np.ndarray, op: ReduceOp, key: int, seq: int,
@@ -516,8 +724,12 @@ class RingReducer(Reducer):
             try:
                 self._execute(item)
             except Exception as e:  # an engine bug must not leave ranks hanging
-                err = e if isinstance(e, HostReduceError) else PeerLostError(
-                    f"Rank {self._rank}: collective failed: {type(e).__name__}: {e}")
+                if isinstance(e, HostReduceError):
+                    err: BaseException = e
+                elif isinstance(e, OSError):
+                    err = self._explain_os_error(e)
+                else:
+                    err = PeerLostError(f"Rank {self._rank}: collective failed: {type(e).__name__}: {e}")
                 self._fail(err)
                 for p in getattr(self._running, "entries", ()):
                     p.handle.set_error(err)
@@ -553,10 +765,13 @@ class RingReducer(Reducer):
                                      "no further collectives can run"))
             return
         if kind == "error":
+            if item["etype"] == "lost":  # a rank stopped answering: the job cannot go on
+                self._fail(PeerLostError(f"Rank {self._rank}: {item['error']}"))
+                return
             if self._rank not in item.get("ranks", [self._rank]):
                 return
-            cls = {"mismatch": TensorMismatchError, "departed": PeerLostError}.get(item["etype"],
-                                                                                 CollectiveTimeoutError)
+            cls = {"mismatch": TensorMismatchError, "departed": PeerLostError,
+                   "unmatched": UnmatchedCollectiveError}.get(item["etype"], CollectiveTimeoutError)
             for p in self._take(item["names"]):
                 p.handle.set_error(cls(item["error"]))
             return
@@ -640,3 +855,9 @@ class RingReducer(Reducer):
             self._local.close(unlink=self._owns_fifos)
         if self._shm is not None:
             self._shm.close()
+        if self._token is not None and (self._rank == 0 or not graceful):
+            # A failed job's entries go with it, whichever rank made them (a killed rank
+            # cannot remove its own); rank 0 removes the owners file of a finished one.
+            from ._stale import remove_job
+
+            remove_job(self._token)

@@ -9,7 +9,8 @@ results are bitwise identical everywhere. Barriers are per-rank counters in a sm
 control segment; waits yield the CPU and give up on a peer failure or a timeout.
 
 Segment names are derived from a per-job random token; files are created with mode
-0600 and unlinked on close.
+0600 and unlinked as soon as every rank has mapped them. A rank killed in between leaves
+a name behind, which the job's survivors or the next job remove (``_stale.py``).
 """
 from __future__ import annotations
 
@@ -99,6 +100,9 @@ class _Waiter:
             raise err
         waited = time.monotonic() - self.start
         if waited > g._timeout:
+            silent = g._not_answering() if g._not_answering is not None else None
+            if silent is not None:  # the likely cause, whatever this wait was for
+                raise silent
             if self.on_timeout is not None:
                 raise self.on_timeout(late())
             raise PeerLostError(
@@ -126,11 +130,16 @@ class ShmGroup:
                "lane", "lane_k0", "lane_k1")
 
     def __init__(self, rank: int, size: int, token: str, timeout_s: float,
-                 failed: Callable[[], BaseException | None], use_cma: bool = True) -> None:
+                 failed: Callable[[], BaseException | None], use_cma: bool = True,
+                 not_answering: Callable[[], BaseException | None] | None = None) -> None:
+        """``failed()`` is the job's error, if any (waits give up on it); after a wait
+        times out, ``not_answering()`` is the error naming a peer that stopped answering,
+        if one has, raised in place of the timeout."""
         self.rank, self.size = rank, size
         self._token = token
         self._timeout = timeout_s
         self._failed = failed
+        self._not_answering = not_answering
         ctl_name = f"hostreduce-{token}-ctl"
         # Rank 0 creates the control segment before announcing the token to peers.
         self._ctl = _Segment(ctl_name, self._ctl_bytes(), create=True) if rank == 0 else None
@@ -373,8 +382,8 @@ class ShmGroup:
                 grew = True
         if grew:
             # Attach to every new segment once its owner created it, then remove the
-            # names at once: the mappings stay valid and nothing is left behind in
-            # /dev/shm even if a process is killed.
+            # names at once: the mappings stay valid and names last only while a
+            # segment grows.
             self.barrier()
             for j in range(self.size):
                 self._peer(j) if self._cap[j] else None
