@@ -28,17 +28,18 @@ def _active() -> dict[tuple[Any, str], list[Callable[..., Any]]]:
     return routes
 
 
-def _dispatcher(key: tuple[Any, str]) -> Callable[..., Any]:
+def _dispatcher(key: tuple[Any, str], original: Any) -> Callable[..., Any]:
     # On a class this is a plain function, so the instance arrives first in ``args``.
+    # ``original`` is bound here, not looked up: a caller may still hold this
+    # function after the last block has restored the attribute.
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        original = _installed[key][0]
         routes = _active().get(key)
         if not routes:
             return original(*args, **kwargs)
         return routes[-1](original, *args, **kwargs)
 
     dispatch.__name__ = key[1]
-    dispatch.__doc__ = getattr(_installed[key][0], "__doc__", None)
+    dispatch.__doc__ = getattr(original, "__doc__", None)
     return dispatch
 
 
@@ -53,8 +54,9 @@ def routed(owner: Any, name: str, route: Callable[..., Any]) -> Iterator[None]:
     with _lock:
         entry = _installed.get(key)
         if entry is None:
-            entry = _installed[key] = [getattr(owner, name), name in vars(owner), 0]
-            setattr(owner, name, _dispatcher(key))
+            original = getattr(owner, name)
+            entry = _installed[key] = [original, name in vars(owner), 0]
+            setattr(owner, name, _dispatcher(key, original))
         entry[2] += 1
     routes = _active().setdefault(key, [])
     routes.append(route)
