@@ -1,5 +1,6 @@
 """The gRPC ring reducer across real processes at world sizes 1, 2 and 4, on both data
-paths, including the failure modes: mismatch, dead peer, wrong secret, bad config."""
+paths, including the failure modes: mismatch, different names, dead or frozen peer,
+ranks killed at random moments (nothing left in /dev/shm), wrong secret, bad config."""
 from __future__ import annotations
 
 import numpy as np
