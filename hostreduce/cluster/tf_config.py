@@ -9,6 +9,7 @@ otherwise, exactly as TensorFlow's multi-worker strategies number them. ``ps`` a
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import operator
 import re
@@ -46,7 +47,10 @@ _TASK_TYPE_HINTS = {
 
 def _show(value: Any, limit: int = 200) -> str:
     """``repr`` of a received value, shortened so that error messages stay readable."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<{_type_name(value)[2:].lstrip()} nested too deeply to show>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -95,18 +99,44 @@ def _host_key(host: str) -> str:
     return low
 
 
+def _endpoints(host: str, port: int) -> list[tuple[str, int]]:
+    """The endpoints a ``host:port`` may stand for, spelled one way: IP literals in
+    their canonical form (``[0:0:0:0:0:0:0:1]`` is ``::1``, ``[::ffff:127.0.0.1]`` is
+    ``127.0.0.1``), ``localhost`` as both loopback addresses, other names lower-case."""
+    name = host.lower().rstrip(".")
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return [(str(ip), port)]
+    if name == "localhost":
+        return [("127.0.0.1", port), ("::1", port)]
+    if name == "ip6-localhost":
+        return [("::1", port)]
+    return [(name, port)]
+
+
 def _check_unique(entries: Iterable[tuple[str, str]]) -> None:
-    """Raise if two ``(field, address)`` entries name the same host and port."""
-    seen: dict[tuple[str, int], str] = {}
+    """Raise if two ``(field, address)`` entries name the same endpoint, however spelled."""
+    seen: dict[tuple[str, int], tuple[str, str]] = {}
     for field, address in entries:
         host, port = split_address(address, field)
-        key = (host.lower(), port)
-        if key in seen:
-            raise ClusterError(
-                f"`{field}` repeats the address of `{seen[key]}`; every task needs its own "
-                f"address. Received: {field}={address!r}"
-            )
-        seen[key] = field
+        keys = _endpoints(host, port)
+        for key in keys:
+            if key in seen:
+                first, spelled = seen[key]
+                same = "" if spelled == address else f" ({spelled!r} and {address!r} are the same endpoint)"
+                raise ClusterError(
+                    f"`{field}` repeats the address of `{first}`{same}; every task needs its own "
+                    f"address. Received: {field}={address!r}"
+                )
+        for key in keys:
+            seen[key] = (field, address)
 
 
 def check_addresses(addresses: Any, field: str = "addresses") -> tuple[str, ...]:
@@ -262,6 +292,11 @@ def parse_tf_config(raw: str) -> ClusterSpec:
         raise ClusterError(
             f"`{TF_CONFIG}` must be valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
             f"(char {e.pos}). Received: {TF_CONFIG}={_show(raw)}"
+        ) from None
+    except RecursionError:
+        raise ClusterError(
+            f"`{TF_CONFIG}` must be a JSON object with 'cluster' and 'task' fields; its arrays or objects are "
+            f"nested too deeply to parse. Received: {TF_CONFIG}={_show(raw)}"
         ) from None
     if not isinstance(config, dict):
         raise ClusterError(

@@ -5,12 +5,22 @@ memory. Collectives are asynchronous: ``allreduce_async`` returns a :class:`Hand
 whose ``wait()`` gives the result. All ranks must submit the same names with the same
 shape, dtype and op; engines that can detect a disagreement raise
 ``TensorMismatchError`` on every rank.
+
+A job always ends: a reducer the script never closed is closed at interpreter exit,
+before the interpreter joins its threads (with an abort that names the error when the
+exit is due to an unhandled exception, so that peers fail at once), and a process
+whose peer failed exits non-zero even if the script caught the error.
 """
 from __future__ import annotations
 
 import abc
+import atexit
 import enum
+import logging
+import os
+import sys
 import threading
+import weakref
 from typing import Any, Callable, ClassVar, TypeVar
 
 import numpy as np
@@ -27,6 +37,8 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "check_array",
 ]
+
+_log = logging.getLogger("hostreduce")
 
 
 class ReduceOp(str, enum.Enum):
@@ -189,7 +201,36 @@ class Reducer(abc.ABC):
         """Release sockets, threads and buffers. Safe to call more than once."""
         if not self._closed:
             self._closed = True
+            _LIVE.discard(self)
             self._close()
+
+    def _abort(self, reason: str) -> None:
+        """Close after this process failed with ``reason`` (e.g. ``"ValueError: boom"``).
+
+        Engines that can tell their peers override ``_close_failed`` so that every peer
+        fails at once with an error naming this rank and ``reason``, instead of
+        learning of an orderly goodbye.
+        """
+        if not self._closed:
+            self._closed = True
+            _LIVE.discard(self)
+            self._close_failed(reason)
+
+    def _close_failed(self, reason: str) -> None:
+        self._close()
+
+    def _register_live(self) -> None:
+        """Call at the end of a successful ``__init__``: until ``close()``, the reducer is
+        closed at interpreter exit (with an abort if the exit is due to an unhandled
+        exception), before the interpreter joins any thread that might wait on a peer."""
+        _install_exit_hooks()
+        _LIVE.add(self)
+
+    @staticmethod
+    def _peer_failed(error: BaseException) -> None:
+        """Engines call this when a peer failed (not when it left in an orderly way): the
+        process then exits non-zero even if the script catches the error."""
+        _note_peer_failure(error)
 
     @property
     def closed(self) -> bool:
@@ -207,8 +248,100 @@ class Reducer(abc.ABC):
     def __enter__(self) -> "Reducer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._abort(describe_exception(exc))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"ValueError: boom"``: how peers are told why a rank failed."""
+    text = str(exc)
+    name = type(exc).__name__
+    return f"{name}: {text[:500]}" if text else name
+
+
+# --------------------------------------------------------------------------- exit
+# Every reducer between a successful start and close() is in _LIVE. At interpreter exit
+# they are closed by a hook that runs before the interpreter joins its threads: gRPC's
+# server threads (a concurrent.futures pool, which the interpreter joins at exit) may be
+# waiting on a peer that is itself exiting, so without the hook two workers that never
+# call close() would wait for each other forever.
+_LIVE: "weakref.WeakSet[Reducer]" = weakref.WeakSet()
+_JOB_ABORTS: list[Callable[[str], None]] = []
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+_peer_failure: BaseException | None = None
+
+
+def _install_exit_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+        # concurrent.futures registers the join of its pools when its thread module is
+        # imported; threading's exit hooks run in reverse order of registration, so
+        # importing it first puts ours ahead of that join.
+        import concurrent.futures.thread  # noqa: F401
+
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise RuntimeError("threading._register_atexit is not available")
+            register(_close_live_at_exit)
+        except RuntimeError:  # already shutting down, or an interpreter without the hook
+            atexit.register(_close_live_at_exit)
+        # Registered now (after most libraries' handlers), so it runs late in atexit order.
+        atexit.register(_exit_status_after_peer_failure)
+
+
+def add_job_abort(fn: Callable[[str], None]) -> None:
+    """Run ``fn(reason)`` when the interpreter exits with an unhandled exception, after
+    every live reducer was aborted (``mpi`` uses it to call ``MPI_Abort``)."""
+    _install_exit_hooks()
+    with _hooks_lock:
+        if fn not in _JOB_ABORTS:
+            _JOB_ABORTS.append(fn)
+
+
+def _note_peer_failure(error: BaseException) -> None:
+    global _peer_failure
+    if _peer_failure is None:
+        _peer_failure = error
+
+
+def _close_live_at_exit() -> None:
+    # Python sets sys.last_value for an unhandled exception before the exit hooks run.
+    error = getattr(sys, "last_value", None)
+    reason = None if error is None else describe_exception(error)
+    for reducer in list(_LIVE):
+        try:
+            if reason is None:
+                reducer.close()
+            else:
+                reducer._abort(reason)
+        except Exception as exc:  # noqa: BLE001 - best effort at exit; go on with the others
+            _log.warning("closing the %r reducer at exit failed: %s: %s", reducer.name, type(exc).__name__, exc)
+    if reason is not None:
+        for fn in list(_JOB_ABORTS):
+            fn(reason)
+
+
+def _exit_status_after_peer_failure() -> None:
+    # A script that caught the PeerLostError of a failed peer would otherwise exit 0,
+    # and the job would look successful. An unhandled exception already exits non-zero.
+    if _peer_failure is None or getattr(sys, "last_value", None) is not None:
+        return
+    _log.error("exiting with status 1: a peer failed (%s)", _peer_failure)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream
+            pass
+    os._exit(1)
 
 
 _R = TypeVar("_R", bound=type)

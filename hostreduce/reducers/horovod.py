@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, ConfigError, HostReduceError, ReducerClosedError
-from .base import Handle, ReduceOp, Reducer, check_array, register_reducer
+from .base import Handle, ReduceOp, Reducer, add_job_abort, check_array, register_reducer
 
 __all__ = ["HorovodReducer", "HorovodUnavailableError", "import_horovod"]
 
@@ -122,6 +122,9 @@ class HorovodReducer(Reducer):
         self._worker.start()
         self._watchdog = threading.Thread(target=self._watch, name="hostreduce-horovod-watchdog", daemon=True)
         self._watchdog.start()
+        if self._size > 1:
+            add_job_abort(_abort_horovod_job)
+        self._register_live()
 
     @property
     def rank(self) -> int:
@@ -272,6 +275,33 @@ class HorovodReducer(Reducer):
             pending = list(self._pending)
         for handle in pending:  # only left when a worker is stuck past its deadline
             handle.set_error(ReducerClosedError("The 'horovod' reducer is closed"))
+
+    def _close_failed(self, reason: str) -> None:
+        # The job is aborting: do not wait out a collective that peers will never join.
+        with self._lock:
+            self._queue.put(None)
+        self._worker.join(0.5)
+        self._stop.set()
+
+
+def _abort_horovod_job(reason: str) -> None:
+    """At an exit with an unhandled exception: stop every rank (``MPI_Abort`` through
+    Horovod's own MPI library; without MPI, exit at once so that the launcher sees the
+    failure instead of a shutdown that waits for peers)."""
+    import os
+
+    from ._mpi_select import loaded_libmpi
+
+    if loaded_libmpi():
+        from .mpi import _abort_mpi_job
+
+        _abort_mpi_job(reason)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream
+            pass
+    os._exit(1)
 
 
 def _op_name(kind: str, name: str) -> str:

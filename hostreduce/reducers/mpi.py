@@ -19,22 +19,24 @@ division). Arrays passed in must not be modified until their handle completes.
 
 Start the job with :func:`hostreduce.reducers._mpi_select.mpirun_for` ``("mpi")``. In a
 process that already holds an MPI library (Horovod's), mpi4py is pointed at that library.
+
+A rank that exits with an unhandled exception calls ``MPI_Abort`` after its traceback
+is printed (as ``python -m mpi4py`` does), so mpirun stops every rank at once instead
+of leaving the others blocked in a collective or in ``MPI_Finalize``.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import sys
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, ConfigError, HostReduceError, ReducerClosedError, TensorMismatchError
-from .base import Handle, ReduceOp, Reducer, check_array, register_reducer
+from .base import Handle, ReduceOp, Reducer, add_job_abort, check_array, register_reducer
 
 __all__ = ["MPIReducer"]
 
@@ -53,17 +55,23 @@ _OPS = {ReduceOp.SUM: "SUM", ReduceOp.MEAN: "SUM", ReduceOp.MIN: "MIN", ReduceOp
 _SPIN_S = 0.05
 _MAX_SLEEP_S = 0.001
 
-_LIVE: "weakref.WeakSet[MPIReducer]" = weakref.WeakSet()
 
 
-@atexit.register
-def _close_live() -> None:
-    # Runs before mpi4py finalizes MPI (registered later, so earlier in atexit order).
-    for reducer in list(_LIVE):
+def _abort_mpi_job(reason: str) -> None:
+    """At an exit with an unhandled exception: stop every rank of the job."""
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    for stream in (sys.stdout, sys.stderr):
         try:
-            reducer.close()
-        except Exception:  # pragma: no cover - best effort at exit
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream
             pass
+    rank = MPI.COMM_WORLD.Get_rank()
+    sys.stderr.write(f"hostreduce: rank {rank} failed ({reason}); calling MPI_Abort to stop every rank\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 _Step = Callable[[Any], None]  # waits for one MPI request
@@ -117,7 +125,9 @@ class MPIReducer(Reducer):
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"hostreduce-mpi-rank{self._rank}", daemon=True)
         self._thread.start()
-        _LIVE.add(self)
+        if self._size > 1:
+            add_job_abort(_abort_mpi_job)
+        self._register_live()
 
     @property
     def rank(self) -> int:
@@ -304,7 +314,12 @@ class MPIReducer(Reducer):
         if self._thread.is_alive():  # pragma: no cover - a collective is stuck past its deadline
             _log.warning("The 'mpi' reducer's worker thread did not stop within %.0f s",
                          self._config.timeout_s + 5.0)
-        _LIVE.discard(self)
+
+    def _close_failed(self, reason: str) -> None:
+        # The job is aborting: do not wait out a collective that peers will never join.
+        with self._submit_lock:
+            self._queue.put(None)
+        self._thread.join(0.5)
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:

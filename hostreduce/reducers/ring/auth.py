@@ -32,8 +32,9 @@ def verify(secret: str, role: str, nonce: str, sender: int, receiver: int, proof
 class NonceBook:
     """Nonces a server handed out and not yet redeemed (each valid once, for a while)."""
 
-    def __init__(self, ttl_s: float = 300.0) -> None:
+    def __init__(self, ttl_s: float = 300.0, max_outstanding: int = 4096) -> None:
         self._ttl = ttl_s
+        self._max = max_outstanding
         self._issued: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -42,6 +43,10 @@ class NonceBook:
         now = time.monotonic()
         with self._lock:
             self._issued = {n: t for n, t in self._issued.items() if now - t < self._ttl}
+            # A flood of handshakes that never finish must not grow the book without
+            # bound: the oldest nonces go first (a real peer redeems its nonce at once).
+            for stale in list(self._issued)[:max(0, len(self._issued) - self._max + 1)]:
+                del self._issued[stale]
             self._issued[nonce] = now
         return nonce
 

@@ -201,6 +201,7 @@ class RingReducer(Reducer):
         if self._size > 1:
             self._watchdog = threading.Thread(target=self._watch, name="hostreduce-watchdog", daemon=True)
             self._watchdog.start()
+        self._register_live()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -458,7 +459,9 @@ class RingReducer(Reducer):
             self._plans.put([{"kind": "departed", "names": [], "rank": 0, "wait": self._inline_plans}])
 
     def _on_peer_lost(self, peer: int, why: str) -> None:
-        self._fail(PeerLostError(f"Rank {self._rank}: {why}"))
+        err = PeerLostError(f"Rank {self._rank}: {why}")
+        self._peer_failed(err)
+        self._fail(err)
 
     def _fail(self, err: BaseException) -> None:
         with self._lock:
@@ -815,6 +818,12 @@ class RingReducer(Reducer):
     # ------------------------------------------------------------------ shutdown
     def _close(self) -> None:
         self._shutdown(graceful=self._error is None)
+
+    def _close_failed(self, reason: str) -> None:
+        # Peers fail at once with this rank's error, not with a goodbye.
+        if self._mesh is not None:
+            self._mesh.broadcast_failure(reason)
+        self._shutdown(graceful=False)
 
     def _shutdown(self, graceful: bool) -> None:
         stop = getattr(self, "_stop", None)

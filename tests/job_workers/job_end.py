@@ -1,0 +1,65 @@
+"""One worker of a small training job that may fail, for the tests of how jobs end.
+
+Usage: python job_end.py REDUCER MODE STEPS [FAIL_RANK FAIL_STEP] [-- MARKER]
+
+REDUCER is ``ring`` (cluster from TF_CONFIG, settings from HOSTREDUCE_*) or ``mpi``
+(under mpirun, timeout_s from HOSTREDUCE_TIMEOUT_S). MODE:
+
+- ``noclose``: every rank all-reduces STEPS times and returns without ``close()``.
+- ``raise``: rank FAIL_RANK raises ``ValueError`` before step FAIL_STEP; nothing is
+  caught anywhere.
+- ``catch``: like ``raise``, but the other ranks catch every error and return normally.
+
+Prints ``FINISHED <rank> <time.time()>`` after the last step and ``RAISING <rank>
+<time.time()>`` just before the raise, so the test can time how the job ends. The
+trailing MARKER only tags the processes of one test run.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from hostreduce.config import Config  # noqa: E402
+
+
+def make(reducer: str):
+    if reducer == "mpi":
+        from hostreduce.reducers.mpi import MPIReducer
+
+        return MPIReducer(config=Config(reducer="mpi", timeout_s=float(os.environ.get("HOSTREDUCE_TIMEOUT_S", 30))))
+    from hostreduce.reducers import create_reducer
+
+    return create_reducer(reducer)
+
+
+def main(argv: list[str]) -> None:
+    if "--" in argv:
+        argv = argv[:argv.index("--")]
+    reducer, mode, steps = argv[0], argv[1], int(argv[2])
+    fail_rank, fail_step = (int(argv[3]), int(argv[4])) if len(argv) > 4 else (-1, -1)
+    r = make(reducer)
+    x = np.full(10_000, r.rank + 1.0, np.float32)
+    expected = r.size * (r.size + 1) / 2
+    try:
+        for step in range(steps):
+            if mode != "noclose" and r.rank == fail_rank and step == fail_step:
+                print(f"RAISING {r.rank} {time.time()}", flush=True)
+                raise ValueError(f"boom at step {step}")
+            got = r.allreduce(f"grad/{step % 3}", x)
+            assert float(got[0]) == expected, (step, got[0])
+            time.sleep(0.01 * ((r.rank + step) % 3))  # ranks drift: some wait inside collectives
+    except Exception as e:  # noqa: BLE001 - the 'catch' mode swallows everything
+        if mode != "catch" or r.rank == fail_rank:
+            raise
+        print(f"CAUGHT {r.rank} {type(e).__name__}: {e}", flush=True)
+        return
+    print(f"FINISHED {r.rank} {time.time()}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
