@@ -269,7 +269,8 @@ class ShmGroup:
                 a, b = bounds[j], bounds[j + 1]
                 _cma.read_into(self._pids[j], addrs[j] + a * item, buf[a:b])
         except OSError as e:
-            raise PeerLostError(f"Rank {rank}: reading a peer's buffer failed ({e}); the peer has probably exited") from None
+            raise PeerLostError(f"Rank {rank}: reading rank {j}'s buffer failed ({e}); rank {j} has probably "
+                                "exited") from None
         self._copied_base += 1
         for j in range(size):
             self._reduced_base[j] += 1
