@@ -245,3 +245,64 @@ def test_mpi_a_rank_that_raises_aborts_the_job(job):
     assert ended - raised[victim] < TIMEOUT_S + SLACK_S, seed
     assert "ValueError: boom" in err and "MPI_Abort" in err, (seed, err[-3000:])
     assert not _leftovers(job.marker)
+
+
+# --------------------------------------------------------------------------- the hook
+
+
+class _Recorder:
+    """A minimal reducer that records how it was closed."""
+
+    @staticmethod
+    def make():
+        from hostreduce.reducers.base import Reducer
+
+        class Recorder(Reducer):
+            name = "recorder"
+            rank, size = 0, 1
+            allreduce_async = broadcast_async = allgather_async = barrier = None  # type: ignore[assignment]
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.how: list[str] = []
+                self._register_live()
+
+            def _close(self) -> None:
+                self.how.append("close")
+
+            def _close_failed(self, reason: str) -> None:
+                self.how.append(f"abort: {reason}")
+
+        Recorder.__abstractmethods__ = frozenset()
+        return Recorder()
+
+
+def test_exit_hook_runs_before_the_thread_pools_are_joined_and_closes_live_reducers(monkeypatch):
+    import concurrent.futures.thread as cft
+    import threading
+
+    from hostreduce.reducers import base
+
+    kept, ended, failed = _Recorder.make(), _Recorder.make(), _Recorder.make()
+    ended.close()
+    with pytest.raises(ValueError):
+        with failed:
+            raise ValueError("boom")
+    names = [getattr(getattr(f, "func", f), "__name__", "") for f in threading._threading_atexits]
+    # threading runs these in reverse order: ours must come after the pools' join in the list.
+    assert names.index("_close_live_at_exit") > names.index(cft._python_exit.__name__), names
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    base._close_live_at_exit()
+    assert kept.how == ["close"] and ended.how == ["close"] and failed.how == ["abort: ValueError: boom"]
+    again = _Recorder.make()
+    monkeypatch.setattr(sys, "last_value", KeyError("k"), raising=False)
+    base._close_live_at_exit()
+    assert again.how == ["abort: KeyError: 'k'"] and kept.how == ["close"]
+
+
+def test_python_sets_last_value_before_threading_exit_hooks():
+    code = ("import sys, threading\n"
+            "threading._register_atexit(lambda: print('HOOK', repr(getattr(sys, 'last_value', None)), flush=True))\n"
+            "raise ValueError('boom')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 1 and "HOOK ValueError('boom')" in res.stdout, (res.stdout, res.stderr)

@@ -249,9 +249,9 @@ class Reducer(abc.ABC):
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close()
-        else:
+        else:  # the block failed: peers learn why at once
             self._abort(describe_exception(exc))
 
 

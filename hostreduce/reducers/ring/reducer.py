@@ -538,6 +538,16 @@ class RingReducer(Reducer):
             return self._error
         return self._silent_peer_error() or err
 
+    def _explain_departure(self, err: PeerLostError) -> BaseException:
+        """A peer left the lane: if it left because it failed, its report (over gRPC,
+        naming its error) is on its way; prefer it to "closed its reducer"."""
+        deadline = time.monotonic() + 0.5
+        while self._error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if isinstance(self._error, HostReduceError) and not isinstance(self._error, ReducerClosedError):
+            return self._error
+        return err
+
     def _explain_os_error(self, err: OSError) -> BaseException:
         """A file of the job went away (a peer that failed removed it, or died): wait a
         moment for the connection that names the lost peer, else say what is known."""
@@ -672,7 +682,7 @@ class RingReducer(Reducer):
         except BaseException as e:
             with self._lock:
                 self._pending.pop(name, None)
-            handle.set_error(e)
+            handle.set_error(self._explain_departure(e) if isinstance(e, PeerLostError) else e)
             return
         if agreed:
             self._stats["fast_lane"] += 1
