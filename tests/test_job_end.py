@@ -18,6 +18,9 @@ import pytest
 
 from hostreduce.launch.runner import free_ports, tf_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
+from mpi_launch import mpi_skip_reason  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "job_workers" / "job_end.py"
 TIMEOUT_S = 5.0      # the job's timeout_s
@@ -199,16 +202,7 @@ def test_launcher_a_worker_that_raises_ends_the_job(job):
 # --------------------------------------------------------------------------- mpirun
 
 
-def _mpi_skip() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-
-        from hostreduce.reducers._mpi_select import mpirun_for
-
-        mpirun_for("mpi")
-    except Exception as exc:  # noqa: BLE001
-        return f"MPI not available: {type(exc).__name__}: {exc}"
-    return None
+_MPI_SKIP = mpi_skip_reason()
 
 
 def _mpirun(job: Job, *args: str) -> tuple[int, float, str, str]:
@@ -223,7 +217,7 @@ def _mpirun(job: Job, *args: str) -> tuple[int, float, str, str]:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(_mpi_skip() is not None, reason=_mpi_skip() or "")
+@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_workers_that_never_close_exit_zero(job):
     code, ended, out, err = _mpirun(job, "noclose", "20")
     assert code == 0, (out, err[-3000:])
@@ -235,7 +229,7 @@ def test_mpi_workers_that_never_close_exit_zero(job):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(_mpi_skip() is not None, reason=_mpi_skip() or "")
+@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_a_rank_that_raises_aborts_the_job(job):
     victim, step, seed = _failure_plan(2)
     code, ended, out, err = _mpirun(job, "raise", "40", str(victim), str(step))

@@ -7,24 +7,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import run_mpi  # noqa: E402
+from mpi_launch import mpi_skip_reason, run_mpi  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
 
-def _mpi_available() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-
-        from hostreduce.reducers._mpi_select import mpirun_for
-
-        mpirun_for("mpi")
-    except Exception as exc:  # noqa: BLE001
-        return f"MPI not available: {type(exc).__name__}: {exc}"
-    return None
-
-
-_SKIP = _mpi_available()
+_SKIP = mpi_skip_reason()
 
 
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
 import tf_common as common  # noqa: E402
+from mpi_launch import mpi_skip_reason  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -44,20 +45,11 @@ def test_ring_two_workers_match_one_process(reference: dict) -> None:
             _assert_same(reference[opt], results[rank][opt], f"ring rank {rank} ({opt})")
 
 
-def _mpi_skip() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-
-        from hostreduce.reducers._mpi_select import mpirun_for
-
-        mpirun_for("mpi")
-    except Exception as exc:  # noqa: BLE001
-        return f"MPI not available: {type(exc).__name__}: {exc}"
-    return None
+_MPI_SKIP = mpi_skip_reason()
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(_mpi_skip() is not None, reason=_mpi_skip() or "")
+@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_two_workers_match_one_process(reference: dict, tmp_path: Path) -> None:
     from mpi_launch import run_mpi
 

@@ -47,6 +47,19 @@ def run_mpi(reducer_name: str, np: int, script: str, *args: str, timeout: float 
     return proc.returncode, out
 
 
+def mpi_skip_reason() -> str | None:
+    """Why MPI tests cannot run here (no mpi4py, or no mpirun for its library), or None."""
+    try:
+        import mpi4py  # noqa: F401
+
+        from hostreduce.reducers._mpi_select import mpirun_for
+
+        mpirun_for("mpi")
+    except Exception as exc:  # noqa: BLE001 - any failure means: skip, and say why
+        return f"MPI not available: {type(exc).__name__}: {exc}"
+    return None
+
+
 def _kill_session(sid: int) -> None:
     """SIGKILL every process whose session id is ``sid`` (Linux /proc)."""
     for entry in Path("/proc").iterdir():
