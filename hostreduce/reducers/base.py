@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, NoReturn, TypeVar
 
 import numpy as np
 
@@ -336,12 +336,24 @@ def _exit_status_after_peer_failure() -> None:
         return
     _log.error("exiting with status 1: a peer failed (%s)", _peer_failure)
     logging.shutdown()
+    exit_at_once(1)
+
+
+def flush_std_streams() -> None:
+    """Flush stdout and stderr, so that a traceback or message printed just before a
+    hard stop (``os._exit``, ``MPI_Abort``) is not lost. Best effort."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream
+        except Exception:  # noqa: BLE001 - a closed or replaced stream
             pass
-    os._exit(1)
+
+
+def exit_at_once(status: int) -> NoReturn:
+    """End the process now with ``status``, skipping the remaining exit handlers and the
+    join of threads that may wait on a failed peer; stdout and stderr are flushed first."""
+    flush_std_streams()
+    os._exit(status)
 
 
 _R = TypeVar("_R", bound=type)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, ConfigError, HostReduceError, ReducerClosedError
-from .base import Handle, ReduceOp, Reducer, add_job_abort, check_array, register_reducer
+from .base import Handle, ReduceOp, Reducer, add_job_abort, check_array, exit_at_once, register_reducer
 
 __all__ = ["HorovodReducer", "HorovodUnavailableError", "import_horovod"]
 
@@ -288,20 +288,13 @@ def _abort_horovod_job(reason: str) -> None:
     """At an exit with an unhandled exception: stop every rank (``MPI_Abort`` through
     Horovod's own MPI library; without MPI, exit at once so that the launcher sees the
     failure instead of a shutdown that waits for peers)."""
-    import os
-
     from ._mpi_select import loaded_libmpi
 
     if loaded_libmpi():
         from .mpi import _abort_mpi_job
 
         _abort_mpi_job(reason)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream
-            pass
-    os._exit(1)
+    exit_at_once(1)
 
 
 def _op_name(kind: str, name: str) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, ConfigError, HostReduceError, ReducerClosedError, TensorMismatchError
-from .base import Handle, ReduceOp, Reducer, add_job_abort, check_array, register_reducer
+from .base import Handle, ReduceOp, Reducer, add_job_abort, check_array, flush_std_streams, register_reducer
 
 __all__ = ["MPIReducer"]
 
@@ -56,18 +56,13 @@ _SPIN_S = 0.05
 _MAX_SLEEP_S = 0.001
 
 
-
 def _abort_mpi_job(reason: str) -> None:
     """At an exit with an unhandled exception: stop every rank of the job."""
     from mpi4py import MPI
 
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream
-            pass
+    flush_std_streams()
     rank = MPI.COMM_WORLD.Get_rank()
     sys.stderr.write(f"hostreduce: rank {rank} failed ({reason}); calling MPI_Abort to stop every rank\n")
     sys.stderr.flush()
