@@ -1,20 +1,28 @@
-"""Hand each ``host_call`` tensor to the reducer the moment the device produces it.
+"""Hand each tensor to the reducer the moment the device produces it.
 
-:meth:`HostCallExchange.attach` adds one ``tf.numpy_function`` per tensor to the step's
-graph. TensorFlow runs an op as soon as its inputs exist, so the op for a gradient
-fires when the backward pass has produced that gradient, not when the whole backward
-pass ends: the reductions of the last layers overlap the gradient computation of the
-first ones. The callback copies the tensor into a preallocated host buffer (the
-tensor's memory is only valid during the callback) and submits an in-place all-reduce.
+A hand-off op is a ``tf.numpy_function`` in the step's graph. TensorFlow runs an op as
+soon as its inputs exist, so the op for a gradient fires when the backward pass has
+produced that gradient, not when the whole backward pass ends: the reductions of the
+last layers overlap the gradient computation of the first ones. The op copies the
+tensor to the host and submits an asynchronous collective (``slots.py``).
 
-Engines that negotiate (the ring) accept tensors in any order, so the ops are
-stateless and unordered. Engines that need the same submission order on every rank
-(MPI, Horovod's core ops driven from Python) get ops chained in reverse variable order,
-which is the order a backward pass produces gradients in.
+Two faces share these ops:
 
-With ``defer=True`` the ops only copy; :meth:`HostCallExchange.wait` then submits every
-reduction at once after the step's device program has finished (the sequential
-schedule: whole backward pass, then reduction, then apply).
+* :func:`exchange` (``tf.function`` steps, eager code): a hand-off op per tensor, then a
+  wait op per tensor that returns the collective's result into the graph. The wait ops
+  depend on every hand-off of their group, so no TensorFlow thread blocks in a wait
+  while a tensor of the group still has to be handed off (blocked threads could
+  otherwise starve the backward pass that would produce it).
+* :class:`HostCallExchange` (the Estimator): hand-off ops only; the host waits for the
+  results after the device program returns and applies them itself.
+
+Ordering. Engines that negotiate (the ring) accept tensors in any order, so a group's
+hand-off ops are unordered. Engines that need the same submission order on every rank
+(``Channel.ordered``: MPI, Horovod's core ops driven from Python) get stateful ops, which
+``tf.function`` runs in the order they were created; a group's ops are created in
+reverse order, the order a backward pass produces gradients in. :func:`exchange` with
+``chained=True`` (single collectives outside a group) orders them on every engine, which
+also keeps independent collectives from blocking each other's threads.
 """
 from __future__ import annotations
 
@@ -22,13 +30,114 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..timeline import HANDOFF_ROW, Timeline, now_us
+from ..errors import ConfigError
+from ..reducers.base import SUPPORTED_DTYPES
+from ..timeline import Timeline
+from .slots import Channel, Collective, Slot
 
-__all__ = ["HostCallExchange"]
+__all__ = ["HostCallExchange", "exchange", "handoff_ops"]
+
+
+def handoff_ops(slots: Sequence[Slot], tensors: Sequence[Any], stateful: bool, defer: bool = False) -> list[Any]:
+    """Add one hand-off op per tensor to the graph being traced, last tensor first.
+
+    Returns one int32 token per tensor; something must depend on each token (or the
+    ops must be stateful) so that TensorFlow does not prune the op.
+    """
+    import tensorflow as tf
+
+    tokens: list[Any] = [None] * len(tensors)
+    for i in range(len(tensors) - 1, -1, -1):
+        tokens[i] = tf.numpy_function(_handoff_callback(slots[i], defer), [tensors[i]], tf.int32,
+                                      stateful=stateful, name=f"hostreduce_handoff_{i}")
+    return tokens
+
+
+def _handoff_callback(slot: Slot, defer: bool) -> Callable[[np.ndarray], np.ndarray]:
+    def handoff(value: np.ndarray) -> np.ndarray:
+        if defer:
+            slot.stage(value, timed=True)
+        else:
+            slot.hand_off(value)
+        return np.int32(slot.index)
+
+    return handoff
+
+
+def _wait_callback(slot: Slot) -> Callable[..., np.ndarray]:
+    def wait(*_token: Any) -> np.ndarray:
+        return slot.wait()
+
+    return wait
+
+
+def _check_dtype(tensor: Any, collective: Collective) -> None:
+    dtype = np.dtype(tensor.dtype.as_numpy_dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(
+            f"Tensor {collective.display!r}: dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}. "
+            f"Received: dtype={tensor.dtype.name}"
+        )
+
+
+def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Collective], *,
+             chained: bool = False) -> list[Any]:
+    """Run one collective per tensor through the host reducer; return the results.
+
+    This is the one entry point for code that has tensors (the Horovod API, optimizer
+    wrappers): in a ``tf.function`` it adds a hand-off op and a wait op per tensor to the
+    graph being traced, so each collective starts as soon as its tensor exists; eagerly
+    it submits every collective (last first) and then waits for them.
+
+    Args:
+        channel: the reducer, ordering requirement, timeline and wait limit.
+        tensors: ``tf.Tensor``-convertible values, one per collective.
+        collectives: what to do with each tensor; names must be equal on every rank.
+        chained: submit in the order of ``tensors`` reversed, after whatever stateful op
+            the graph created before (one collective at a time, or a group that must
+            not overlap others); otherwise only ordered engines are chained.
+
+    Returns:
+        One tensor per input: the reduced (or broadcast, or gathered) value, with the
+        input's dtype; an all-gather's first dimension is unknown in a graph.
+    """
+    import tensorflow as tf
+
+    if len(tensors) != len(collectives):
+        raise ConfigError(f"`collectives` must have one entry per tensor ({len(tensors)}). "
+                          f"Received: {len(collectives)} collectives")
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for tensor, collective in zip(tensors, collectives):
+        _check_dtype(tensor, collective)
+    slots = [Slot(c, channel, index=i) for i, c in enumerate(collectives)]
+    if not tensors:
+        return []
+    if tf.executing_eagerly():
+        for i in range(len(slots) - 1, -1, -1):
+            slots[i].hand_off(tensors[i].numpy())
+        return [tf.convert_to_tensor(slot.wait()) for slot in slots]
+
+    tokens = handoff_ops(slots, tensors, stateful=chained or channel.ordered)
+    results: list[Any] = [None] * len(slots)
+    with tf.control_dependencies(tokens):
+        for i in range(len(slots) - 1, -1, -1):
+            tensor, slot = tensors[i], slots[i]
+            # Stateful: the wait runs even if its result is unused, so no collective is
+            # left in flight on a buffer that the next step reuses.
+            out = tf.numpy_function(_wait_callback(slot), [tokens[i]], tensor.dtype, stateful=True,
+                                    name=f"hostreduce_wait_{i}")
+            if slot.collective.kind == "allgather":
+                rank = tensor.shape.rank
+                if rank is not None:
+                    out.set_shape([None] + tensor.shape.as_list()[1:])
+            else:
+                out.set_shape(tensor.shape)
+            results[i] = out
+    return results
 
 
 class HostCallExchange:
-    """Host buffers, in-graph hand-off ops and pending reductions of one program.
+    """Host buffers, in-graph hand-off ops and pending reductions of one Estimator program.
 
     Args:
         prefix: collective names are ``{prefix}/{index}``; equal on every rank.
@@ -45,19 +154,31 @@ class HostCallExchange:
                  ordered: bool, timeline: Timeline, labels: Sequence[str] | None = None,
                  defer: bool = False) -> None:
         self.prefix = prefix
-        self.buffers = [np.zeros(shape, dtype) for shape, dtype in specs]
-        self.names = [f"{prefix}/{i}" for i in range(len(self.buffers))]
-        self.labels = list(labels) if labels is not None else list(self.names)
-        self._reducer = reducer
-        self._ordered = ordered
-        self._timeline = timeline
+        self.channel = Channel(reducer, ordered, timeline)
+        names = [f"{prefix}/{i}" for i in range(len(specs))]
+        labels = list(labels) if labels is not None else names
+        self.slots = [Slot(Collective("allreduce", names[i], "mean", label=labels[i]), self.channel, i, shape, dtype)
+                      for i, (shape, dtype) in enumerate(specs)]
         self.defer = defer
-        self._copied = [False] * len(self.buffers)
-        self._handles: list[Any] = [None] * len(self.buffers)
-        self.submit_times_us: list[float] = [0.0] * len(self.buffers)
 
     def __len__(self) -> int:
-        return len(self.buffers)
+        return len(self.slots)
+
+    @property
+    def buffers(self) -> list[np.ndarray]:
+        return [slot.buffer for slot in self.slots]  # type: ignore[misc]
+
+    @property
+    def names(self) -> list[str]:
+        return [slot.name for slot in self.slots]
+
+    @property
+    def labels(self) -> list[str]:
+        return [slot.label for slot in self.slots]
+
+    @property
+    def submit_times_us(self) -> list[float]:
+        return [slot.submit_time_us for slot in self.slots]
 
     def attach(self, tensors: Sequence[Any]) -> list[Any]:
         """Add the hand-off ops for ``tensors`` to the graph being traced.
@@ -65,65 +186,11 @@ class HostCallExchange:
         Returns one token tensor per tensor; the step function must return them so
         the ops are not pruned.
         """
-        import tensorflow as tf
-
-        tokens: list[Any] = [None] * len(tensors)
-        order = range(len(tensors) - 1, -1, -1)
-        for i in order:
-            tokens[i] = tf.numpy_function(self._make_callback(i), [tensors[i]], tf.int32,
-                                          stateful=self._ordered, name=f"hostreduce_handoff_{i}")
-        return tokens
-
-    def _make_callback(self, index: int) -> Callable[[np.ndarray], np.ndarray]:
-        def handoff(value: np.ndarray) -> np.ndarray:
-            self._submit(index, value)
-            return np.int32(index)
-
-        return handoff
-
-    def _submit(self, index: int, value: np.ndarray) -> None:
-        start = now_us()
-        buffer = self.buffers[index]
-        np.copyto(buffer, value.reshape(buffer.shape), casting="same_kind")
-        if self.defer:
-            self._copied[index] = True
-            if self._timeline.enabled:
-                self._timeline.span(f"hand-off {self.labels[index]}", start, now_us(), "handoff", HANDOFF_ROW,
-                                    {"bytes": buffer.nbytes, "index": index})
-            return
-        self._start_reduction(index, start)
-
-    def _start_reduction(self, index: int, handoff_start: float | None) -> None:
-        buffer = self.buffers[index]
-        handle = self._reducer().allreduce_async(self.names[index], buffer, op="mean", out=buffer)
-        submitted = now_us()
-        self.submit_times_us[index] = submitted
-        self._handles[index] = handle
-        timeline = self._timeline
-        if timeline.enabled:
-            label = self.labels[index]
-            if handoff_start is not None:
-                timeline.span(f"hand-off {label}", handoff_start, submitted, "handoff", HANDOFF_ROW,
-                              {"bytes": buffer.nbytes, "index": index})
-            row = timeline.reduce_row(label)
-            handle.add_done_callback(
-                lambda _h, s=submitted, r=row, n=label: timeline.span(f"allreduce {n}", s, now_us(), "reduce", r,
-                                                                    {"index": index})
-            )
+        return handoff_ops(self.slots, tensors, stateful=self.channel.ordered, defer=self.defer)
 
     def wait(self, timeout: float | None = None) -> list[np.ndarray]:
         """Block until every reduction of this step is done; return the buffers."""
         if self.defer:
-            for i in range(len(self.buffers) - 1, -1, -1):
-                if not self._copied[i]:
-                    raise RuntimeError(f"host_call tensor {self.labels[i]!r} was never handed to the host")
-                self._start_reduction(i, None)
-            self._copied = [False] * len(self.buffers)
-        for i, handle in enumerate(self._handles):
-            if handle is None:
-                raise RuntimeError(f"host_call tensor {self.labels[i]!r} was never handed to the host")
-            result = handle.wait(timeout)
-            if result is not None and result is not self.buffers[i]:
-                np.copyto(self.buffers[i], result)
-        self._handles = [None] * len(self.buffers)
-        return self.buffers
+            for slot in reversed(self.slots):
+                slot.start(None)
+        return [slot.wait(timeout) for slot in self.slots]

@@ -1,0 +1,207 @@
+"""The job behind ``hostreduce.horovod``: where this process sits, which engine reduces,
+and the names of collectives that the script did not name.
+
+The job is found as the strategies find it: under ``mpirun`` from the launcher's
+variables (engine: Horovod's core ops where they load, else MPI, or
+``HOSTREDUCE_REDUCER``), otherwise from ``TF_CONFIG`` (``hostreduce run`` sets it; engine:
+the ring), otherwise a single process. The engine is created at the first collective,
+on the thread that calls it (MPI must be started from the thread that ends it), and
+closed by :func:`shutdown` or at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import Any
+
+from ..cluster import ClusterSpec, resolve_cluster
+from ..cluster.mpi_env import spec_from_mpi_env
+from ..errors import HostReduceError
+
+__all__ = ["NotInitializedError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
+           "local_size", "cross_rank", "cross_size", "channel", "collective_name", "Job", "job"]
+
+
+class NotInitializedError(HostReduceError, ValueError):
+    """A ``hostreduce.horovod`` call that needs the job came before ``init()``."""
+
+
+class Job:
+    """This process's place in the job, its strategy (which owns the reducer) and timeline."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        from ..config import Config
+        from ..streaming import Channel
+        from ..timeline import Timeline, timeline_dir_from_env
+
+        self.cluster = cluster
+        self.strategy = _strategy_for(cluster)
+        self.timeline = Timeline(timeline_dir_from_env(), rank=cluster.rank)
+        # The engine fails a collective after config.timeout_s with an error naming the
+        # cause; the hand-off's own limit is only a backstop behind it.
+        timeout = Config.from_env().timeout_s * 2 + 30.0
+        self.channel = Channel(self.reducer, self.strategy.ordered_submission, self.timeline, timeout)
+        self._lock = threading.Lock()
+
+    def reducer(self) -> Any:
+        """The engine, created on first use."""
+        return self.strategy.reducer
+
+    def close(self) -> None:
+        try:
+            self.strategy.close()
+        finally:
+            self.timeline.flush()
+
+
+def _strategy_for(cluster: ClusterSpec) -> Any:
+    from ..strategies import HorovodStrategy, MultiWorkerStrategy, SingleProcessStrategy
+
+    if cluster.source == "mpirun":
+        return HorovodStrategy(variables_on_host=False)
+    if cluster.size > 1:
+        return MultiWorkerStrategy(variables_on_host=False)
+    return SingleProcessStrategy(variables_on_host=False)
+
+
+_lock = threading.Lock()
+_job: Job | None = None
+_flush_registered = False
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Find this process's place in the job. Safe to call more than once.
+
+    Args:
+        comm: accepted for Horovod compatibility; only None (the whole job) is supported.
+        process_sets: accepted for Horovod compatibility; only None is supported.
+    """
+    global _job, _flush_registered
+    if comm is not None:
+        raise HostReduceError(
+            "`comm` is not supported: hostreduce.horovod.init() always spans the whole job. "
+            f"Received: comm={comm!r}"
+        )
+    if process_sets is not None:
+        raise HostReduceError(
+            "`process_sets` is not supported: hostreduce.horovod collectives always span the whole job. "
+            f"Received: process_sets={process_sets!r}"
+        )
+    with _lock:
+        if _job is None:
+            _job = Job(spec_from_mpi_env(os.environ) or resolve_cluster())
+            if _job.timeline.enabled and not _flush_registered:
+                _flush_registered = True
+                atexit.register(_flush_at_exit)
+
+
+def _flush_at_exit() -> None:
+    job = _job
+    if job is not None:
+        job.timeline.flush()
+
+
+def shutdown() -> None:
+    """Close the engine and forget the job (``init()`` may be called again)."""
+    global _job
+    with _lock:
+        job, _job = _job, None
+    if job is not None:
+        job.close()
+
+
+def is_initialized() -> bool:
+    return _job is not None
+
+
+def job() -> Job:
+    current = _job
+    if current is None:
+        raise NotInitializedError("hostreduce.horovod has not been initialized; call hvd.init() first.")
+    return current
+
+
+def _spec() -> ClusterSpec:
+    return job().cluster
+
+
+def channel() -> Any:
+    """The :class:`hostreduce.streaming.Channel` of the job, with its engine started.
+
+    The engine starts here, on the caller's thread (the thread that traces a
+    ``tf.function`` or runs eagerly), never inside a TensorFlow op.
+    """
+    current = job()
+    current.reducer()
+    return current.channel
+
+
+def rank() -> int:
+    """This process's rank in the job, 0 .. size() - 1."""
+    return _spec().rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _spec().size
+
+
+def local_rank() -> int:
+    """This process's index among the job's processes on its host."""
+    return _spec().local_rank
+
+
+def local_size() -> int:
+    """Number of the job's processes on this host."""
+    return _spec().local_size
+
+
+def _hosts(spec: ClusterSpec) -> list[str]:
+    if spec.addresses:
+        return list(dict.fromkeys(spec.hosts))
+    return [str(i) for i in range(max(1, spec.size // max(1, spec.local_size)))]
+
+
+def cross_rank() -> int:
+    """Index of this process's host among the job's hosts."""
+    spec = _spec()
+    if spec.addresses:
+        return _hosts(spec).index(spec.hosts[spec.rank])
+    return spec.rank // max(1, spec.local_size)
+
+
+def cross_size() -> int:
+    """Number of hosts in the job."""
+    return len(_hosts(_spec()))
+
+
+# ----------------------------------------------------------------------------- names
+# The ring matches collectives by name, so a collective the script did not name gets
+# one that every rank derives alike: every rank runs the same program, so the n-th
+# unnamed collective created while tracing function F (or the n-th one run eagerly) is
+# the same collective everywhere. Counting per traced graph, not per process, keeps
+# names equal when one rank retraces a function that another did not.
+_graph_counts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_eager_count = 0
+_names_lock = threading.Lock()
+
+
+def collective_name(kind: str, name: str | None) -> str:
+    """``name`` when given, else ``hvd.<function>.<kind>.<n>`` (``hvd.eager...`` eagerly)."""
+    global _eager_count
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise HostReduceError(f"`name` must be a non-empty string or None. Received: name={name!r}")
+        return name
+    import tensorflow as tf
+
+    with _names_lock:
+        if tf.executing_eagerly():
+            _eager_count += 1
+            return f"hvd.eager.{kind}.{_eager_count}"
+        graph = tf.compat.v1.get_default_graph()
+        count = _graph_counts.get(graph, 0) + 1
+        _graph_counts[graph] = count
+        return f"hvd.{graph.name}.{kind}.{count}"

@@ -1,0 +1,265 @@
+"""Horovod's collectives (``allreduce``, ``grouped_allreduce``, ``allgather``,
+``broadcast``, ``broadcast_variables``) mapped onto :func:`hostreduce.streaming.exchange`.
+
+This module maps names and arguments: reduction constants to engine ops, compression
+and scaling to TensorFlow ops around the hand-off, ``tf.IndexedSlices`` to two
+all-gathers (values and indices) as Horovod does. Every collective runs on the host
+through the job's engine, eagerly or inside ``tf.function``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..errors import ConfigError, HostReduceError
+from ..streaming import Collective, exchange
+from . import _engine
+from ._compression import Compression
+
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
+           "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors"]
+
+
+class ReduceOp:
+    """A reduction constant (``hvd.Average``, ``hvd.Sum``, ...)."""
+
+    __slots__ = ("name", "engine_op")
+
+    def __init__(self, name: str, engine_op: str | None) -> None:
+        self.name = name
+        self.engine_op = engine_op
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+Average = ReduceOp("Average", "mean")
+Sum = ReduceOp("Sum", "sum")
+Min = ReduceOp("Min", "min")
+Max = ReduceOp("Max", "max")
+Adasum = ReduceOp("Adasum", None)
+Product = ReduceOp("Product", None)
+
+
+class ProcessSet:
+    """The whole job: the one process set hostreduce supports (``hvd.global_process_set``)."""
+
+    process_set_id = 0
+
+    def size(self) -> int:
+        return _engine.size()
+
+    def rank(self) -> int:
+        return _engine.rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "global_process_set"
+
+
+global_process_set = ProcessSet()
+
+
+def _check_process_set(process_set: Any) -> None:
+    if process_set is not None and process_set is not global_process_set:
+        raise HostReduceError(
+            "`process_set` is not supported: hostreduce.horovod collectives always span the whole job. "
+            f"Received: process_set={process_set!r}"
+        )
+
+
+def resolve_op(op: Any, average: Any = None) -> ReduceOp:
+    """Horovod's ``op``/``average`` pair as a supported :class:`ReduceOp`."""
+    if average is not None:
+        if op is not None:
+            raise ConfigError(f"`average` and `op` cannot both be given. Received: average={average!r}, op={op!r}")
+        op = Average if average else Sum
+    if op is None:
+        op = Average
+    if not isinstance(op, ReduceOp):
+        raise ConfigError(f"`op` must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max. Received: op={op!r}")
+    if op.engine_op is None:
+        raise ConfigError(
+            f"`op={op!r}` is not supported by hostreduce.horovod; use Average, Sum, Min or Max. Received: op={op!r}"
+        )
+    return op
+
+
+def _check_compression(compression: Any) -> None:
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise ConfigError(
+            "`compression` must be Compression.none, Compression.fp16 or an object with compress() and "
+            f"decompress(). Received: compression={compression!r}"
+        )
+
+
+def _scale(tensor: Any, factor: Any, argument: str) -> Any:
+    import tensorflow as tf
+
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor == 1:
+        return tensor
+    if not tensor.dtype.is_floating:
+        raise ConfigError(f"`{argument}` needs a floating-point tensor. Received: {argument}={factor!r} "
+                          f"for a tensor of dtype {tensor.dtype.name}")
+    return tensor * tf.cast(factor, tensor.dtype)
+
+
+def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *, labels: Sequence[str] | None = None,
+                   compression: Any = Compression.none, prescale_factor: Any = 1.0, postscale_factor: Any = 1.0,
+                   chained: bool = False) -> list[Any]:
+    """All-reduce ``tensors`` (dense or ``tf.IndexedSlices``; None passes through) as one
+    group: each is handed to the engine as soon as it exists. What the tape and
+    ``grouped_allreduce`` share."""
+    import tensorflow as tf
+
+    channel = _engine.channel()
+    world = _engine.size()
+    labels = list(labels) if labels is not None else list(names)
+    flat: list[Any] = []
+    collectives: list[Collective] = []
+    plan: list[tuple[str, Any]] = []
+    for tensor, name, label in zip(tensors, names, labels):
+        if tensor is None:
+            plan.append(("none", None))
+        elif isinstance(tensor, tf.IndexedSlices):
+            if op is not Average and op is not Sum:
+                raise ConfigError(f"Only Sum and Average are supported with tf.IndexedSlices. Received: op={op!r}")
+            if prescale_factor != 1.0 or postscale_factor != 1.0:
+                raise ConfigError("`prescale_factor` and `postscale_factor` are not supported with tf.IndexedSlices. "
+                                  f"Received: prescale_factor={prescale_factor!r}, "
+                                  f"postscale_factor={postscale_factor!r}")
+            plan.append(("sparse", (len(flat), tensor.dense_shape)))
+            flat += [tensor.values, tensor.indices]
+            collectives += [Collective("allgather", f"{name}.values", label=f"{label} values"),
+                            Collective("allgather", f"{name}.indices", label=f"{label} indices")]
+        else:
+            tensor = tf.convert_to_tensor(tensor)
+            scaled = _scale(tensor, prescale_factor, "prescale_factor")
+            wire, ctx = compression.compress(scaled)
+            plan.append(("dense", (len(flat), ctx)))
+            flat.append(wire)
+            collectives.append(Collective("allreduce", name, op.engine_op, label=label))  # type: ignore[arg-type]
+    results = exchange(channel, flat, collectives, chained=chained)
+    out: list[Any] = []
+    for kind, info in plan:
+        if kind == "none":
+            out.append(None)
+        elif kind == "sparse":
+            at, dense_shape = info
+            values, indices = results[at], results[at + 1]
+            if op is Average:
+                values = values / tf.cast(world, values.dtype)
+            out.append(tf.IndexedSlices(values, indices, dense_shape=dense_shape))
+        else:
+            at, ctx = info
+            out.append(_scale(compression.decompress(results[at], ctx), postscale_factor, "postscale_factor"))
+    return out
+
+
+def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_sparse: str = "",
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None, process_set: Any = global_process_set,
+              ignore_name_scope: bool = False) -> Any:
+    """All-reduce a ``tf.Tensor``, ``tf.Variable`` or ``tf.IndexedSlices`` over the job.
+
+    Args:
+        tensor: the value; its shape and dtype must be equal on every rank. A
+            ``tf.IndexedSlices`` is all-gathered (values and indices) instead, as
+            Horovod does; ``op`` must then be Average or Sum.
+        average: deprecated in Horovod: True is ``op=Average``, False ``op=Sum``.
+        device_dense, device_sparse: accepted; hostreduce always reduces in host memory.
+        compression: ``Compression.none`` or ``Compression.fp16`` (float16 on the wire).
+        op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
+        prescale_factor, postscale_factor: multiply before / after the reduction.
+        name: the collective's name, equal on every rank; default: derived from the
+            position of the call in the traced function (or in eager order).
+        process_set: only the whole job (``hvd.global_process_set``) is supported.
+        ignore_name_scope: accepted; names never include TensorFlow name scopes.
+
+    Returns:
+        A tensor of the input's shape and dtype (a ``tf.IndexedSlices`` for one).
+    """
+    _check_process_set(process_set)
+    _check_compression(compression)
+    rop = resolve_op(op, average)
+    full_name = _engine.collective_name("allreduce", name)
+    return reduce_tensors([tensor], rop, [full_name], compression=compression, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, chained=True)[0]
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "", device_sparse: str = "",
+                      compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
+    """All-reduce several tensors as one group; arguments as :func:`allreduce`.
+
+    Each tensor is handed to the engine as soon as it exists; in a ``tf.function`` the
+    results are waited for once every tensor of the group has been handed off.
+    """
+    _check_process_set(process_set)
+    _check_compression(compression)
+    if not tensors:
+        return list(tensors)
+    rop = resolve_op(op, average)
+    base = _engine.collective_name("grouped_allreduce", name)
+    return reduce_tensors(list(tensors), rop, [f"{base}/{i}" for i in range(len(tensors))], compression=compression,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = global_process_set) -> Any:
+    """Concatenate every rank's ``tensor`` along axis 0, in rank order.
+
+    Ranks may differ in the first dimension; the other dimensions and the dtype must
+    be equal. A scalar is gathered as a vector of one element per rank.
+    """
+    _check_process_set(process_set)
+    channel = _engine.channel()
+    full_name = _engine.collective_name("allgather", name)
+    return exchange(channel, [tensor], [Collective("allgather", full_name)], chained=True)[0]
+
+
+def _check_root(root_rank: Any) -> int:
+    world = _engine.size()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < world:
+        raise ConfigError(f"`root_rank` must be an integer in [0, {world}). Received: root_rank={root_rank!r}")
+    return root_rank
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = global_process_set) -> Any:
+    """``root_rank``'s ``tensor`` on every rank (shape and dtype equal everywhere)."""
+    _check_process_set(process_set)
+    root = _check_root(root_rank)
+    channel = _engine.channel()
+    full_name = _engine.collective_name("broadcast", name)
+    return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
+
+
+def _label(variable: Any, index: int) -> str:
+    return str(getattr(variable, "path", None) or getattr(variable, "name", None) or f"variable{index}")
+
+
+def broadcast_variables(variables: Any, root_rank: int, process_set: Any = global_process_set,
+                        inplace: bool = False) -> Any:
+    """Assign ``root_rank``'s value to each variable on every rank.
+
+    ``variables``: ``tf.Variable`` or Keras variables, e.g. ``model.variables`` and
+    (Keras 3) ``optimizer.variables``. Eagerly the assignment is done on return; in a
+    ``tf.function`` the returned op performs it (as Horovod). ``inplace`` is accepted.
+    """
+    import tensorflow as tf
+
+    _check_process_set(process_set)
+    root = _check_root(root_rank)
+    variables = list(variables)
+    channel = _engine.channel()
+    base = _engine.collective_name("broadcast_variables", None)
+    collectives = [Collective("broadcast", f"{base}/{i}", root=root, label=_label(v, i))
+                   for i, v in enumerate(variables)]
+    values = exchange(channel, [tf.convert_to_tensor(v) for v in variables], collectives)
+    assigns = [v.assign(value) for v, value in zip(variables, values)]
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*[a for a in assigns if a is not None])
