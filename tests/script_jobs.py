@@ -1,8 +1,14 @@
 """Run a user script as a real multi-process job, the way a user starts one: by hand
 with ``TF_CONFIG`` (one ``python script.py`` per worker), under ``hostreduce run``, or
-under ``mpirun``. Every line is time-stamped as it arrives, so tests can measure how
-long a worker took to exit after it printed its result or after a peer failed; every
-process is killed when the job overruns its timeout."""
+under ``mpirun``. Every line is time-stamped (``time.monotonic()``) as it arrives, and
+the exit of every process is noticed within 20 ms, so tests can measure how long a
+worker took to exit after it printed its result or after a peer failed.
+
+Every process of a job, down to the ranks mpirun or the launcher starts, carries the
+job's marker in its environment (``TEST_JOB_MARKER``): :meth:`Job.leftovers` finds any
+that outlived the job, and :meth:`Job.kill` ends them all. A job that overruns its
+timeout is killed and raises ``TimeoutError`` with its output so far.
+"""
 from __future__ import annotations
 
 import os
@@ -12,11 +18,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+MARKER_VAR = "TEST_JOB_MARKER"
 
 
 @dataclass
@@ -24,12 +32,17 @@ class Worker:
     """One process of a job: its exit status, output lines with arrival times, exit time."""
 
     returncode: int | None = None
-    lines: list[tuple[float, str]] = field(default_factory=list)
+    lines: list[tuple[float, str]] = field(default_factory=list)  # stdout and stderr, as they arrived
+    stderr_lines: list[str] = field(default_factory=list)
     ended_at: float = 0.0
 
     @property
     def output(self) -> str:
         return "".join(line for _, line in self.lines)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
 
     def first(self, marker: str) -> float | None:
         """Arrival time of the first line containing ``marker``."""
@@ -45,78 +58,136 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _pump(proc: subprocess.Popen, worker: Worker) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        worker.lines.append((time.monotonic(), line))
+class Job:
+    """The processes of one job, each started in a session of its own."""
 
+    def __init__(self) -> None:
+        self.marker = f"job-{uuid.uuid4().hex[:12]}"
+        self._procs: list[subprocess.Popen[str]] = []
+        self._workers: list[Worker] = []
+        self._readers: list[threading.Thread] = []
 
-def _wait_all(procs: Sequence[subprocess.Popen], workers: Sequence[Worker], timeout: float,
-              readers: Sequence[threading.Thread]) -> None:
-    deadline = time.monotonic() + timeout
-    try:
-        for proc, worker in zip(procs, workers):
-            try:
-                worker.returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                worker.ended_at = time.monotonic()
-            except subprocess.TimeoutExpired:
+    def start(self, cmd: Sequence[str], env: dict[str, str]) -> Worker:
+        proc = subprocess.Popen(list(cmd), env={**env, MARKER_VAR: self.marker}, cwd=str(ROOT), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        worker = Worker()
+        self._procs.append(proc)
+        self._workers.append(worker)
+        for stream, also in ((proc.stdout, None), (proc.stderr, worker.stderr_lines)):
+            reader = threading.Thread(target=_pump, args=(stream, worker, also), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+        return worker
+
+    def wait(self, timeout: float) -> list[Worker]:
+        """Wait until every process started so far has exited; kill them all and raise
+        ``TimeoutError`` if one runs past ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        running = set(range(len(self._procs)))
+        while running:
+            for i in sorted(running):
+                code = self._procs[i].poll()
+                if code is not None:
+                    self._workers[i].returncode, self._workers[i].ended_at = code, time.monotonic()
+                    running.discard(i)
+            if running and time.monotonic() > deadline:
+                self.kill()
                 raise TimeoutError(
-                    f"job did not end within {timeout} s; output so far:\n"
-                    + "\n".join(f"--- worker {i} ---\n{w.output}" for i, w in enumerate(workers))) from None
-    finally:
-        for proc in procs:
+                    f"job did not end within {timeout} s (workers {sorted(running)} still running); output so far:\n"
+                    + "\n".join(f"--- worker {i} ---\n{w.output}" for i, w in enumerate(self._workers)))
+            time.sleep(0.02)
+        self._join_readers()
+        return list(self._workers)
+
+    def leftovers(self) -> list[int]:
+        """Live processes of this job (a rank or helper that outlived its parent)."""
+        tag = f"{MARKER_VAR}={self.marker}".encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    if tag in (entry / "environ").read_bytes().split(b"\0"):
+                        pids.append(int(entry.name))
+                except OSError:  # gone, or not ours
+                    continue
+        return pids
+
+    def kill(self) -> None:
+        """SIGKILL every process of the job still alive; safe to call more than once."""
+        for proc in self._procs:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except OSError:
                     pass
-                proc.wait()
-        for reader in readers:
+        for pid in self.leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._join_readers()
+
+    def _join_readers(self) -> None:
+        # A leftover process may hold a pipe open: never wait for it for long.
+        for reader in self._readers:
             reader.join(5)
 
+    def __enter__(self) -> "Job":
+        return self
 
-def _start(cmd: Sequence[str], env: dict[str, str]) -> tuple[subprocess.Popen, Worker, threading.Thread]:
-    proc = subprocess.Popen(list(cmd), env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    worker = Worker()
-    reader = threading.Thread(target=_pump, args=(proc, worker), daemon=True)
-    reader.start()
-    return proc, worker, reader
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def _pump(stream: IO[str], worker: Worker, also: list[str] | None) -> None:
+    for line in stream:
+        worker.lines.append((time.monotonic(), line))
+        if also is not None:
+            also.append(line)
+
+
+def _run(starts: Sequence[tuple[Sequence[str], dict[str, str]]], timeout: float, job: Job | None) -> list[Worker]:
+    if job is not None:  # the caller checks job.leftovers() and kills the job itself
+        for cmd, env in starts:
+            job.start(cmd, env)
+        return job.wait(timeout)
+    with Job() as own:
+        for cmd, env in starts:
+            own.start(cmd, env)
+        return own.wait(timeout)
 
 
 def run_by_hand(script: str | Path, args: Sequence[str] = (), np: int = 2, timeout: float = 180.0,
-                env: dict[str, str] | None = None) -> list[Worker]:
+                env: dict[str, str] | None = None, job: Job | None = None) -> list[Worker]:
     """Start ``np`` workers as separate ``python script`` processes, each with its own
     ``TF_CONFIG`` and a shared ``HOSTREDUCE_SECRET``, as a user does in ``np`` terminals."""
     from hostreduce.launch.runner import free_ports, tf_config
 
     addresses = [f"127.0.0.1:{p}" for p in free_ports(np)]
     secret = secrets.token_hex(16)
-    started = [_start([sys.executable, str(script), *args],
-                      dict(env or base_env(), TF_CONFIG=tf_config(addresses, i), HOSTREDUCE_SECRET=secret))
-               for i in range(np)]
-    procs, workers, readers = zip(*started)
-    _wait_all(procs, workers, timeout, readers)
-    return list(workers)
+    return _run([([sys.executable, str(script), *args],
+                  dict(env or base_env(), TF_CONFIG=tf_config(addresses, i), HOSTREDUCE_SECRET=secret))
+                 for i in range(np)], timeout, job)
 
 
 def run_launcher(script: str | Path, args: Sequence[str] = (), np: int = 2, timeout: float = 180.0,
-                 env: dict[str, str] | None = None) -> Worker:
+                 env: dict[str, str] | None = None, job: Job | None = None) -> Worker:
     """``hostreduce run -np NP -- python script args``: one process, rank-prefixed output."""
-    proc, worker, reader = _start([sys.executable, "-m", "hostreduce", "run", "-np", str(np), "--",
-                                   sys.executable, str(script), *args], env or base_env())
-    _wait_all([proc], [worker], timeout, [reader])
-    return worker
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(np), "--", sys.executable, str(script), *args]
+    return _run([(cmd, env or base_env())], timeout, job)[0]
 
 
 def run_mpirun(script: str | Path, args: Sequence[str] = (), np: int = 2, timeout: float = 180.0,
-               env: dict[str, str] | None = None, reducer: str = "mpi") -> Worker:
+               env: dict[str, str] | None = None, reducer: str = "mpi", job: Job | None = None) -> Worker:
     """``mpirun -np NP python script args`` with the mpirun that ``reducer`` needs."""
     from hostreduce.reducers._mpi_select import mpirun_command
 
     env = dict(env or base_env(), HOSTREDUCE_REDUCER=reducer)
     env.pop("MPI4PY_LIBMPI", None)
     cmd = mpirun_command(reducer, np, [sys.executable, str(script), *args])
-    proc, worker, reader = _start(cmd, env)
-    _wait_all([proc], [worker], timeout, [reader])
-    return worker
+    return _run([(cmd, env)], timeout, job)[0]

@@ -4,122 +4,46 @@ Run as real scripts: hand-started TF_CONFIG processes, under the launcher, and u
 mpirun with the 'mpi' reducer."""
 from __future__ import annotations
 
-import os
 import random
 import re
-import signal
 import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from hostreduce.launch.runner import free_ports, tf_config
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
 from mpi_launch import mpi_skip_reason  # noqa: E402
+from script_jobs import Job, Worker, base_env, run_by_hand, run_launcher, run_mpirun  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "job_workers" / "job_end.py"
+SCRIPT = Path(__file__).resolve().parent / "job_workers" / "job_end.py"
 TIMEOUT_S = 5.0      # the job's timeout_s
 EXIT_AFTER_S = 10.0  # a finished worker that never called close() exits within this
 # Margin for interpreter start and teardown on a loaded two-core machine.
 SLACK_S = 3.0
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_") and k != "TF_CONFIG"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in base_env().items() if not k.startswith("HOSTREDUCE_")}
     env["HOSTREDUCE_TIMEOUT_S"] = str(TIMEOUT_S)
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
     return env
-
-
-def _leftovers(marker: str) -> list[int]:
-    """Processes whose command line carries ``marker`` (the processes of one test run)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
-class Job:
-    """Processes started for one test, each in its own session; every one is killed
-    (with its whole group) when the test ends, however it ends."""
-
-    def __init__(self) -> None:
-        self.marker = f"job-end-{uuid.uuid4().hex[:12]}"
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([*cmd, "--", self.marker], env=env, cwd=str(ROOT), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def wait(self, timeout: float) -> list[tuple[int, float, str, str]]:
-        """(exit code, time.time() at exit, stdout, stderr) of every process; kills all
-        and fails the test if any runs past ``timeout``."""
-        deadline, ended = time.monotonic() + timeout, {}
-        while len(ended) < len(self.procs):
-            if time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"processes still running after {timeout} s: "
-                            f"{[i for i in range(len(self.procs)) if i not in ended]}")
-            for i, p in enumerate(self.procs):
-                if i not in ended and p.poll() is not None:
-                    ended[i] = time.time()
-            time.sleep(0.02)
-        outs = [p.communicate(timeout=10) for p in self.procs]
-        return [(p.returncode, ended[i], *outs[i]) for i, p in enumerate(self.procs)]
-
-    def kill(self) -> None:
-        for p in self.procs:
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for pid in _leftovers(self.marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for p in self.procs:
-            try:
-                p.communicate(timeout=10)
-            except (subprocess.TimeoutExpired, ValueError):
-                pass
 
 
 @pytest.fixture
 def job():
-    j = Job()
-    try:
+    """The test's job: every process of it is killed when the test ends, however it ends."""
+    with Job() as j:
         yield j
-    finally:
-        j.kill()
 
 
 def _stamp(text: str, word: str) -> dict[int, float]:
     return {int(r): float(t) for r, t in re.findall(rf"{word} (\d+) ([0-9.]+)", text)}
 
 
-def _hand_started(job: Job, size: int, *args: str) -> list[tuple[int, float, str, str]]:
-    addresses = [f"127.0.0.1:{p}" for p in free_ports(size)]
-    secret = uuid.uuid4().hex
-    for rank in range(size):
-        job.start([sys.executable, str(SCRIPT), "ring", *args],
-                  _env(TF_CONFIG=tf_config(addresses, rank), HOSTREDUCE_SECRET=secret))
-    return job.wait(60)
+def _hand_started(job: Job, size: int, *args: str) -> list[Worker]:
+    return run_by_hand(SCRIPT, ["ring", *args], np=size, timeout=60, env=_env(), job=job)
 
 
 def _failure_plan(size: int) -> tuple[int, int, str]:
@@ -134,15 +58,15 @@ def _failure_plan(size: int) -> tuple[int, int, str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 4])
 def test_workers_that_never_close_exit_zero_promptly(job, size):
-    outs = _hand_started(job, size, "noclose", "20")
+    workers = _hand_started(job, size, "noclose", "20")
     finished = {}
-    for rank, (code, _, out, err) in enumerate(outs):
-        assert code == 0, f"rank {rank} exited {code}:\n{err[-3000:]}"
-        finished.update(_stamp(out, "FINISHED"))
-    assert sorted(finished) == list(range(size)), outs
-    lag = max(outs[r][1] - finished[r] for r in range(size))
+    for rank, w in enumerate(workers):
+        assert w.returncode == 0, f"rank {rank} exited {w.returncode}:\n{w.stderr[-3000:]}"
+        finished.update(_stamp(w.output, "FINISHED"))
+    assert sorted(finished) == list(range(size)), [w.output for w in workers]
+    lag = max(workers[r].ended_at - finished[r] for r in range(size))
     assert lag < EXIT_AFTER_S, f"a worker took {lag:.1f} s to exit after finishing"
-    assert not _leftovers(job.marker)
+    assert not job.leftovers()
 
 
 @pytest.mark.timeout(120)
@@ -150,53 +74,51 @@ def test_workers_that_never_close_exit_zero_promptly(job, size):
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_worker_that_raises_ends_every_worker_non_zero(job, size, mode):
     victim, step, seed = _failure_plan(size)
-    outs = _hand_started(job, size, mode, "40", str(victim), str(step))
-    raised = _stamp(outs[victim][2], "RAISING")
-    assert victim in raised, (seed, outs[victim][3][-3000:])
-    assert "ValueError: boom" in outs[victim][3], seed
-    for rank, (code, ended, out, err) in enumerate(outs):
-        assert code != 0, f"{seed}: rank {rank} exited 0:\n{out}\n{err[-3000:]}"
-        took = ended - raised[victim]
+    workers = _hand_started(job, size, mode, "40", str(victim), str(step))
+    raised = _stamp(workers[victim].output, "RAISING")
+    assert victim in raised, (seed, workers[victim].stderr[-3000:])
+    assert "ValueError: boom" in workers[victim].stderr, seed
+    for rank, w in enumerate(workers):
+        out = w.output
+        assert w.returncode != 0, f"{seed}: rank {rank} exited 0:\n{out[-3000:]}"
+        took = w.ended_at - raised[victim]
         assert took < TIMEOUT_S + SLACK_S, f"{seed}: rank {rank} exited {took:.1f} s after the raise"
         if rank != victim:
-            assert "PeerLostError" in out + err and f"rank {victim} " in out + err, (seed, rank, out, err[-3000:])
-            assert "ValueError: boom" in out + err, (seed, rank, err[-3000:])
-    assert not _leftovers(job.marker)
+            assert "PeerLostError" in out and f"rank {victim} " in out, (seed, rank, out[-3000:])
+            assert "ValueError: boom" in out, (seed, rank, out[-3000:])
+    assert not job.leftovers()
 
 
 # --------------------------------------------------------------------------- launcher
 
 
-def _launched(job: Job, size: int, *args: str) -> tuple[int, float, str, str]:
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(size), "--",
-           sys.executable, str(SCRIPT), "ring", *args]
-    job.start(cmd, _env())
-    return job.wait(60)[0]
+def _launched(job: Job, size: int, *args: str) -> Worker:
+    return run_launcher(SCRIPT, ["ring", *args], np=size, timeout=60, env=_env(), job=job)
 
 
 @pytest.mark.timeout(90)
 def test_launcher_workers_that_never_close_exit_zero(job):
-    code, ended, out, err = _launched(job, 2, "noclose", "20")
-    assert code == 0, err[-3000:]
-    finished = _stamp(out, r"\] FINISHED")
-    assert sorted(finished) == [0, 1], out
-    assert ended - max(finished.values()) < EXIT_AFTER_S
-    assert not _leftovers(job.marker)
+    w = _launched(job, 2, "noclose", "20")
+    assert w.returncode == 0, w.stderr[-3000:]
+    finished = _stamp(w.output, r"\] FINISHED")
+    assert sorted(finished) == [0, 1], w.output
+    assert w.ended_at - max(finished.values()) < EXIT_AFTER_S
+    assert not job.leftovers()
 
 
 @pytest.mark.timeout(90)
 def test_launcher_a_worker_that_raises_ends_the_job(job):
     victim, step, seed = _failure_plan(2)
-    code, ended, out, err = _launched(job, 2, "catch", "40", str(victim), str(step))
-    assert code != 0, (seed, err[-3000:])
-    raised = _stamp(out, r"\] RAISING")
-    assert victim in raised, (seed, out, err[-3000:])
-    assert ended - raised[victim] < TIMEOUT_S + SLACK_S, seed
+    w = _launched(job, 2, "catch", "40", str(victim), str(step))
+    assert w.returncode != 0, (seed, w.stderr[-3000:])
+    raised = _stamp(w.output, r"\] RAISING")
+    assert victim in raised, (seed, w.output[-3000:])
+    assert w.ended_at - raised[victim] < TIMEOUT_S + SLACK_S, seed
     # The launcher names the first worker to exit: the one that raised, or a peer that
     # learned of it first (whose error names the one that raised).
-    assert re.search(r"worker \d exited with code 1; stopping the other workers", err), (seed, err[-3000:])
-    assert "ValueError: boom" in err, seed
-    assert not _leftovers(job.marker)
+    assert re.search(r"worker \d exited with code 1; stopping the other workers", w.stderr), (seed, w.stderr[-3000:])
+    assert "ValueError: boom" in w.stderr, seed
+    assert not job.leftovers()
 
 
 # --------------------------------------------------------------------------- mpirun
@@ -205,26 +127,20 @@ def test_launcher_a_worker_that_raises_ends_the_job(job):
 _MPI_SKIP = mpi_skip_reason()
 
 
-def _mpirun(job: Job, *args: str) -> tuple[int, float, str, str]:
-    from hostreduce.reducers._mpi_select import mpirun_command
-
-    cmd = mpirun_command("mpi", 2, [sys.executable, str(SCRIPT), "mpi", *args])
-    env = _env()
-    env.pop("MPI4PY_LIBMPI", None)
-    job.start(cmd, env)
-    return job.wait(90)[0]
+def _mpirun(job: Job, *args: str) -> Worker:
+    return run_mpirun(SCRIPT, ["mpi", *args], np=2, timeout=90, env=_env(), job=job)
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_workers_that_never_close_exit_zero(job):
-    code, ended, out, err = _mpirun(job, "noclose", "20")
-    assert code == 0, (out, err[-3000:])
-    finished = _stamp(out, "FINISHED")
-    assert sorted(finished) == [0, 1], out
-    assert ended - max(finished.values()) < EXIT_AFTER_S
-    assert not _leftovers(job.marker)
+    w = _mpirun(job, "noclose", "20")
+    assert w.returncode == 0, w.output[-3000:]
+    finished = _stamp(w.output, "FINISHED")
+    assert sorted(finished) == [0, 1], w.output
+    assert w.ended_at - max(finished.values()) < EXIT_AFTER_S
+    assert not job.leftovers()
 
 
 @pytest.mark.mpi
@@ -232,13 +148,13 @@ def test_mpi_workers_that_never_close_exit_zero(job):
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_a_rank_that_raises_aborts_the_job(job):
     victim, step, seed = _failure_plan(2)
-    code, ended, out, err = _mpirun(job, "raise", "40", str(victim), str(step))
-    assert code != 0, (seed, out, err[-3000:])
-    raised = _stamp(out, "RAISING")
-    assert victim in raised, (seed, out, err[-3000:])
-    assert ended - raised[victim] < TIMEOUT_S + SLACK_S, seed
-    assert "ValueError: boom" in err and "MPI_Abort" in err, (seed, err[-3000:])
-    assert not _leftovers(job.marker)
+    w = _mpirun(job, "raise", "40", str(victim), str(step))
+    assert w.returncode != 0, (seed, w.output[-3000:])
+    raised = _stamp(w.output, "RAISING")
+    assert victim in raised, (seed, w.output[-3000:])
+    assert w.ended_at - raised[victim] < TIMEOUT_S + SLACK_S, seed
+    assert "ValueError: boom" in w.stderr and "MPI_Abort" in w.stderr, (seed, w.stderr[-3000:])
+    assert not job.leftovers()
 
 
 # --------------------------------------------------------------------------- the hook

@@ -1,6 +1,6 @@
 """One worker of a small training job that may fail, for the tests of how jobs end.
 
-Usage: python job_end.py REDUCER MODE STEPS [FAIL_RANK FAIL_STEP] [-- MARKER]
+Usage: python job_end.py REDUCER MODE STEPS [FAIL_RANK FAIL_STEP]
 
 REDUCER is ``ring`` (cluster from TF_CONFIG, settings from HOSTREDUCE_*) or ``mpi``
 (under mpirun, timeout_s from HOSTREDUCE_TIMEOUT_S). MODE:
@@ -10,9 +10,9 @@ REDUCER is ``ring`` (cluster from TF_CONFIG, settings from HOSTREDUCE_*) or ``mp
   caught anywhere.
 - ``catch``: like ``raise``, but the other ranks catch every error and return normally.
 
-Prints ``FINISHED <rank> <time.time()>`` after the last step and ``RAISING <rank>
-<time.time()>`` just before the raise, so the test can time how the job ends. The
-trailing MARKER only tags the processes of one test run.
+Prints ``FINISHED <rank> <time.monotonic()>`` after the last step and ``RAISING <rank>
+<time.monotonic()>`` just before the raise, so the test can time how the job ends (on
+Linux the monotonic clock is the same in every process).
 """
 from __future__ import annotations
 
@@ -38,8 +38,6 @@ def make(reducer: str):
 
 
 def main(argv: list[str]) -> None:
-    if "--" in argv:
-        argv = argv[:argv.index("--")]
     reducer, mode, steps = argv[0], argv[1], int(argv[2])
     fail_rank, fail_step = (int(argv[3]), int(argv[4])) if len(argv) > 4 else (-1, -1)
     r = make(reducer)
@@ -48,7 +46,7 @@ def main(argv: list[str]) -> None:
     try:
         for step in range(steps):
             if mode != "noclose" and r.rank == fail_rank and step == fail_step:
-                print(f"RAISING {r.rank} {time.time()}", flush=True)
+                print(f"RAISING {r.rank} {time.monotonic()}", flush=True)
                 raise ValueError(f"boom at step {step}")
             got = r.allreduce(f"grad/{step % 3}", x)
             assert float(got[0]) == expected, (step, got[0])
@@ -58,7 +56,7 @@ def main(argv: list[str]) -> None:
             raise
         print(f"CAUGHT {r.rank} {type(e).__name__}: {e}", flush=True)
         return
-    print(f"FINISHED {r.rank} {time.time()}", flush=True)
+    print(f"FINISHED {r.rank} {time.monotonic()}", flush=True)
 
 
 if __name__ == "__main__":
