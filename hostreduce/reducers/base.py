@@ -293,7 +293,10 @@ def _install_exit_hooks() -> None:
             register(_close_live_at_exit)
         except RuntimeError:  # already shutting down, or an interpreter without the hook
             atexit.register(_close_live_at_exit)
-        # Registered now (after most libraries' handlers), so it runs late in atexit order.
+        # atexit runs handlers in reverse order of registration: this one, registered
+        # when the first reducer starts, runs before those of the libraries loaded
+        # earlier and, after a peer failed, ends the process without them (they, and
+        # MPI_Finalize, might wait for the failed peer).
         atexit.register(_exit_status_after_peer_failure)
 
 
