@@ -538,25 +538,27 @@ class RingReducer(Reducer):
             return self._error
         return self._silent_peer_error() or err
 
-    def _explain_departure(self, err: PeerLostError) -> BaseException:
-        """A peer left the lane: if it left because it failed, its report (over gRPC,
-        naming its error) is on its way; prefer it to "closed its reducer"."""
-        deadline = time.monotonic() + 0.5
+    def _reported_failure(self, within: float) -> BaseException | None:
+        """The job's error, waiting up to ``within`` s for it: a failed peer's report
+        travels over gRPC and may trail what this rank saw first. None if none came,
+        or if it is only this reducer's own close."""
+        deadline = time.monotonic() + within
         while self._error is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        if isinstance(self._error, HostReduceError) and not isinstance(self._error, ReducerClosedError):
-            return self._error
-        return err
+        error = self._error
+        if isinstance(error, HostReduceError) and not isinstance(error, ReducerClosedError):
+            return error
+        return None
+
+    def _explain_departure(self, err: PeerLostError) -> BaseException:
+        """A peer left the lane: if it left because it failed, its report (naming its
+        error) is on its way; prefer it to "closed its reducer"."""
+        return self._reported_failure(0.5) or err
 
     def _explain_os_error(self, err: OSError) -> BaseException:
         """A file of the job went away (a peer that failed removed it, or died): wait a
         moment for the connection that names the lost peer, else say what is known."""
-        deadline = time.monotonic() + 2.0
-        while self._error is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if isinstance(self._error, HostReduceError) and not isinstance(self._error, ReducerClosedError):
-            return self._error
-        return self._silent_peer_error() or PeerLostError(
+        return self._reported_failure(2.0) or self._silent_peer_error() or PeerLostError(
             f"Rank {self._rank}: the job's shared memory went away ({type(err).__name__}: {err}); a peer has "
             "probably exited")
 
