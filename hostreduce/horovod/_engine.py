@@ -11,7 +11,9 @@ closed by :func:`shutdown` or at exit.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -19,6 +21,8 @@ from typing import Any
 from ..cluster import ClusterSpec, resolve_cluster
 from ..cluster.mpi_env import spec_from_mpi_env
 from ..errors import HostReduceError
+
+logger = logging.getLogger("hostreduce.horovod")
 
 __all__ = ["NotInitializedError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "channel", "collective_name", "Job", "job"]
@@ -32,26 +36,60 @@ class Job:
     """This process's place in the job, its strategy (which owns the reducer) and timeline."""
 
     def __init__(self, cluster: ClusterSpec) -> None:
-        from ..config import Config
-        from ..streaming import Channel
         from ..timeline import Timeline, timeline_dir_from_env
 
         self.cluster = cluster
-        self.strategy = _strategy_for(cluster)
         self.timeline = Timeline(timeline_dir_from_env(), rank=cluster.rank)
-        # The engine fails a collective after config.timeout_s with an error naming the
-        # cause; the hand-off's own limit is only a backstop behind it.
-        timeout = Config.from_env().timeout_s * 2 + 30.0
-        self.channel = Channel(self.reducer, self.strategy.ordered_submission, self.timeline, timeout)
+        self._strategy: Any = None
+        self._channel: Any = None
+        self._reducer: Any = None
         self._lock = threading.Lock()
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy that owns the engine; chosen at the first collective, so that a
+        script using only the process API never reads the engine settings."""
+        with self._lock:
+            if self._strategy is None:
+                self._strategy = _strategy_for(self.cluster)
+            return self._strategy
+
+    @property
+    def channel(self) -> Any:
+        if self._channel is None:
+            from ..config import Config
+            from ..streaming import Channel
+
+            strategy = self.strategy
+            # The engine fails a collective after timeout_s with an error naming the
+            # cause; the hand-off's own limit is only a backstop behind it.
+            timeout = Config.from_env().timeout_s * 2 + 30.0
+            self._channel = Channel(self.reducer, strategy.ordered_submission, self.timeline, timeout)
+        return self._channel
 
     def reducer(self) -> Any:
         """The engine, created on first use."""
-        return self.strategy.reducer
+        reducer = self.strategy.reducer
+        if reducer is not self._reducer:
+            self._reducer = reducer
+            _end_job_at_exit()
+        return reducer
 
-    def close(self) -> None:
+    def close(self, barrier: bool = True) -> None:
+        """Close the engine; with ``barrier``, first wait until every rank is done.
+
+        A rank that closes while a peer still runs its last steps would fail that peer's
+        next collective; Horovod's ``shutdown()`` is collective for the same reason.
+        """
         try:
-            self.strategy.close()
+            reducer = self._reducer
+            if barrier and reducer is not None and not reducer.closed and reducer.size > 1:
+                try:
+                    reducer.barrier(self.channel.timeout_s)
+                except HostReduceError as exc:
+                    logger.warning("hostreduce.horovod: the barrier before closing failed: %s", exc)
+            if self._strategy is not None:
+                self._strategy.close()
         finally:
             self.timeline.flush()
 
@@ -69,6 +107,40 @@ def _strategy_for(cluster: ClusterSpec) -> Any:
 _lock = threading.Lock()
 _job: Job | None = None
 _flush_registered = False
+_exit_hook_registered = False
+
+
+def _end_job_at_exit() -> None:
+    """Close the job's engine at exit, after a barrier, ahead of the reducers' own exit
+    hook (which closes without one: see ``reducers/base.py``); a run that ends with an
+    unhandled exception is left to that hook, which aborts the job naming the error."""
+    global _exit_hook_registered
+    with _lock:
+        if _exit_hook_registered:
+            return
+        _exit_hook_registered = True
+    # threading runs its exit hooks in reverse order of registration: registered after
+    # the reducer's, this one runs first.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("threading._register_atexit is not available")
+        register(_close_at_exit)
+    except RuntimeError:
+        atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:
+        return
+    global _job
+    with _lock:
+        job, _job = _job, None
+    if job is not None:
+        try:
+            job.close()
+        except Exception as exc:  # noqa: BLE001 - at exit: the reducers' own hook still runs
+            logger.warning("hostreduce.horovod: closing the job at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -134,8 +206,9 @@ def channel() -> Any:
     ``tf.function`` or runs eagerly), never inside a TensorFlow op.
     """
     current = job()
+    result = current.channel
     current.reducer()
-    return current.channel
+    return result
 
 
 def rank() -> int:

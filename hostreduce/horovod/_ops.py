@@ -180,6 +180,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
     Returns:
         A tensor of the input's shape and dtype (a ``tf.IndexedSlices`` for one).
     """
+    _engine.job()
     _check_process_set(process_set)
     _check_compression(compression)
     rop = resolve_op(op, average)
@@ -197,6 +198,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     Each tensor is handed to the engine as soon as it exists; in a ``tf.function`` the
     results are waited for once every tensor of the group has been handed off.
     """
+    _engine.job()
     _check_process_set(process_set)
     _check_compression(compression)
     if not tensors:
@@ -214,8 +216,8 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     Ranks may differ in the first dimension; the other dimensions and the dtype must
     be equal. A scalar is gathered as a vector of one element per rank.
     """
-    _check_process_set(process_set)
     channel = _engine.channel()
+    _check_process_set(process_set)
     full_name = _engine.collective_name("allgather", name)
     return exchange(channel, [tensor], [Collective("allgather", full_name)], chained=True)[0]
 
@@ -230,9 +232,9 @@ def _check_root(root_rank: Any) -> int:
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank (shape and dtype equal everywhere)."""
+    channel = _engine.channel()
     _check_process_set(process_set)
     root = _check_root(root_rank)
-    channel = _engine.channel()
     full_name = _engine.collective_name("broadcast", name)
     return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
 
@@ -249,12 +251,12 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
     (Keras 3) ``optimizer.variables``. Eagerly the assignment is done on return; in a
     ``tf.function`` the returned op performs it (as Horovod). ``inplace`` is accepted.
     """
-    import tensorflow as tf
-
+    channel = _engine.channel()
     _check_process_set(process_set)
     root = _check_root(root_rank)
     variables = list(variables)
-    channel = _engine.channel()
+    import tensorflow as tf
+
     base = _engine.collective_name("broadcast_variables", None)
     collectives = [Collective("broadcast", f"{base}/{i}", root=root, label=_label(v, i))
                    for i, v in enumerate(variables)]

@@ -58,16 +58,18 @@ class _DistributedGradientTape(tf.GradientTape):
         name scopes here).
         """
         gradients = super().gradient(target, sources, output_gradients, unconnected_gradients)
-        world = _engine.size()
-        if world == 1:
-            return gradients
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(gradients)
         todo = [i for i, (s, g) in enumerate(zip(flat_sources, flat))
                 if g is not None and _key(s) not in self._hvd_local]
+        if self._hvd_sparse_as_dense:  # also with one worker, as in Horovod
+            for i in todo:
+                if isinstance(flat[i], tf.IndexedSlices):
+                    flat[i] = tf.convert_to_tensor(flat[i])
+        world = _engine.size()
+        if world == 1:
+            return tf.nest.pack_sequence_as(gradients, flat)
         grads = [flat[i] for i in todo]
-        if self._hvd_sparse_as_dense:
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         pre, post = 1.0, 1.0
         if self._hvd_predivide != 1.0:
             pre, post = 1.0 / self._hvd_predivide, self._hvd_predivide

@@ -53,7 +53,16 @@ def handoff_ops(slots: Sequence[Slot], tensors: Sequence[Any], stateful: bool, d
     return tokens
 
 
+def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep autograph from converting a callback (it would on every call, in a step
+    traced with autograph on)."""
+    import tensorflow as tf
+
+    return tf.autograph.experimental.do_not_convert(fn)
+
+
 def _handoff_callback(slot: Slot, defer: bool) -> Callable[[np.ndarray], np.ndarray]:
+    @_plain
     def handoff(value: np.ndarray) -> np.ndarray:
         if defer:
             slot.stage(value, timed=True)
@@ -65,6 +74,7 @@ def _handoff_callback(slot: Slot, defer: bool) -> Callable[[np.ndarray], np.ndar
 
 
 def _wait_callback(slot: Slot) -> Callable[..., np.ndarray]:
+    @_plain
     def wait(*_token: Any) -> np.ndarray:
         return slot.wait()
 

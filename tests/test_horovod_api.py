@@ -1,0 +1,177 @@
+"""``hostreduce.horovod``, Horovod's TensorFlow API: every op eagerly and in
+``tf.function`` against numpy references; ``DistributedGradientTape`` training (SGD, Adam,
+an Embedding's ``tf.IndexedSlices`` gradients) on 2 and 4 ring workers and under mpirun
+equal to one process on the global batch; the first reduction starts before the backward
+pass ends; errors; and a script in the shape of Horovod's TF2 GradientTape MNIST example
+under ``hostreduce run`` and ``mpirun``, ending with the same weights on every rank.
+
+The ring runs are shared by several tests (one spawn per world size) to keep the module
+short."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "hvd_workers"))
+sys.path.insert(0, str(HERE / "mpi_workers"))
+sys.path.insert(0, str(HERE))
+import hvd_api  # noqa: E402
+from mpi_launch import mpi_skip_reason  # noqa: E402
+from script_jobs import base_env, run_launcher, run_mpirun  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+MNIST = HERE / "hvd_workers" / "tensorflow2_mnist.py"
+_MPI_SKIP = mpi_skip_reason()
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return {key: hvd_api.reference(*key) for key in hvd_api.TRAININGS}
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list]:
+    """Rank results of the ring runs, by world size (the 2-worker run also records a
+    timeline and checks errors)."""
+    from hostreduce.testing import run_ranks
+
+    timeline_dir = tmp_path_factory.mktemp("timeline")
+    return {
+        2: run_ranks(hvd_api.rank_main, 2, args=(True, True), timeout=240,
+                     env={"HOSTREDUCE_TIMELINE": str(timeline_dir)}),
+        4: run_ranks(hvd_api.rank_main, 4, timeout=300),
+    }
+
+
+def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-12))
+
+
+def _check_training(weights_by_rank: list[list[np.ndarray]], expected: list[np.ndarray], what: str) -> None:
+    for rank, weights in enumerate(weights_by_rank):
+        errors = [_rel_err(w, e) for w, e in zip(weights, expected)]
+        assert len(weights) == len(expected) and max(errors) <= 1e-5, f"{what}, rank {rank}: rel. errors {errors}"
+        for w, w0 in zip(weights, weights_by_rank[0]):
+            assert np.array_equal(w, w0), f"{what}: rank {rank}'s weights differ from rank 0's"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_op_eager_and_in_tf_function_matches_numpy(ring: dict, size: int) -> None:
+    assert [r["checks"] for r in ring[size]] == [32] * size
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("training", hvd_api.TRAININGS, ids=lambda t: f"{t[0]}-sparse_as_dense={t[1]}")
+def test_tape_training_equals_one_process_on_the_global_batch(ring: dict, reference: dict, size: int,
+                                                              training: tuple) -> None:
+    _check_training([r[training] for r in ring[size]], reference[training], f"{training} on {size} workers")
+
+
+def test_first_reduction_starts_before_the_backward_pass_ends(ring: dict) -> None:
+    for rank, result in enumerate(ring[2]):
+        spans = [e for e in result["timeline"] if e.get("ph") == "X"]
+        # The output layer's gradient is produced first, the input layer's last.
+        last = [e["ts"] for e in spans if e["name"].startswith("allreduce") and e["name"].endswith("last/kernel")]
+        first = [e["ts"] for e in spans if e["name"].startswith("hand-off") and e["name"].endswith("first/kernel")]
+        assert len(last) == len(first) == 6, (rank, len(last), len(first))
+        # Steps after the first (which includes start-up work): the last layer's reduction
+        # was submitted before the first layer's gradient reached its hand-off op.
+        early = [lst < fst for lst, fst in zip(last[1:], first[1:])]
+        assert sum(early) >= len(early) - 1, f"rank {rank}: submitted before the first layer's gradient: {early}"
+
+
+def test_mismatched_shapes_and_names_surface_as_hostreduce_errors(ring: dict) -> None:
+    for rank, result in enumerate(ring[2]):
+        errors = result["errors"]
+        assert errors["eager_shape"].startswith("TensorMismatchError: Tensor 'shape_mismatch'"), errors
+        assert "rank 0: (2,), rank 1: (3,)" in errors["eager_shape"], errors
+        # In a tf.function the error reaches the caller as TensorFlow's error, naming it.
+        assert "TensorMismatchError: Tensor 'graph_shape_mismatch'" in errors["graph_shape"], errors
+        assert errors["eager_name"].startswith("UnmatchedCollectiveError"), errors
+        assert "only_rank_0" in errors["eager_name"] and "only_rank_1" in errors["eager_name"], errors
+        assert errors["after"] == "2.0", errors  # the engine is still usable
+
+
+def test_clear_errors_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tensorflow as tf
+
+    import hostreduce.horovod as hvd
+    from hostreduce.errors import ConfigError, HostReduceError
+
+    for var in ("TF_CONFIG", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                "HOROVOD_RANK", "HOROVOD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hvd.shutdown()
+    with pytest.raises(hvd.NotInitializedError, match=r"call hvd.init\(\) first"):
+        hvd.allreduce(tf.ones([2]))
+    with pytest.raises(hvd.NotInitializedError):
+        hvd.DistributedGradientTape(tf.GradientTape())
+    hvd.init()
+    try:
+        x = tf.ones([2])
+        np.testing.assert_array_equal(hvd.allreduce(x).numpy(), [1.0, 1.0])
+        with pytest.raises(HostReduceError, match="`process_set` is not supported"):
+            hvd.allreduce(x, process_set=object())
+        with pytest.raises(HostReduceError, match="`process_set` is not supported"):
+            hvd.DistributedGradientTape(tf.GradientTape(), process_set="pairs")
+        with pytest.raises(ConfigError, match=r"`op=Adasum` is not supported"):
+            hvd.allreduce(x, op=hvd.Adasum)
+        with pytest.raises(ConfigError, match="`average` and `op` cannot both be given"):
+            hvd.allreduce(x, average=True, op=hvd.Sum)
+        with pytest.raises(ConfigError, match=r"`root_rank` must be an integer in \[0, 1\)"):
+            hvd.broadcast(x, root_rank=1)
+        with pytest.raises(ConfigError, match="`compression` must be"):
+            hvd.allreduce(x, compression="fp16")
+        with pytest.raises(ConfigError, match="dtype must be one of"):
+            hvd.allreduce(tf.constant([True]))
+        with pytest.raises(ConfigError, match="Only Sum and Average are supported with tf.IndexedSlices"):
+            hvd.allreduce(tf.IndexedSlices(x, tf.constant([0, 1]), tf.constant([2])), op=hvd.Max)
+        with pytest.raises(AttributeError, match="hostreduce.horovod does not provide 'alltoall'"):
+            hvd.alltoall  # noqa: B018
+        with pytest.raises(HostReduceError, match="`comm` is not supported"):
+            hvd.init(comm=[0, 1])
+    finally:
+        hvd.shutdown()
+    assert not hvd.is_initialized()
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
+def test_ops_and_training_under_mpirun(reference: dict, tmp_path: Path) -> None:
+    worker = run_mpirun(HERE / "hvd_workers" / "hvd_api.py", [str(tmp_path)], env=base_env(), timeout=240)
+    assert worker.returncode == 0, worker.output
+    assert sorted(re.findall(r"RESULT rank (\d)/2: engine=mpi ok", worker.output)) == ["0", "1"], worker.output
+    saved = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    for optimizer, dense in hvd_api.TRAININGS:
+        n = len(reference[(optimizer, dense)])
+        weights = [[s[f"{optimizer}_{int(dense)}_{i}"] for i in range(n)] for s in saved]
+        _check_training(weights, reference[(optimizer, dense)], f"{(optimizer, dense)} under mpirun")
+
+
+_DIGEST = re.compile(r"RESULT rank (\d)/2: weights=([0-9a-f]+)")
+
+
+def _check_mnist(output: str, returncode: int, checkpoint: Path) -> None:
+    assert returncode == 0, output
+    digests = dict(_DIGEST.findall(output))
+    assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], output
+    assert "Step #0\tLoss:" in output and "Step #20\tLoss:" in output, output
+    assert list(checkpoint.parent.glob(checkpoint.name + "-1.index")), output
+
+
+def test_mnist_example_under_launcher(tmp_path: Path) -> None:
+    worker = run_launcher(MNIST, ["60", str(tmp_path / "ckpt")], env=base_env(), timeout=180)
+    _check_mnist(worker.output, worker.returncode, tmp_path / "ckpt")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
+def test_mnist_example_under_mpirun(tmp_path: Path) -> None:
+    worker = run_mpirun(MNIST, ["60", str(tmp_path / "ckpt")], env=base_env(), timeout=180)
+    _check_mnist(worker.output, worker.returncode, tmp_path / "ckpt")
