@@ -210,9 +210,8 @@ class GrpcMesh:
     def _raise_if_lost(self) -> None:
         """During start-up: a peer that failed (it said why, or its connection broke)
         ends the start-up at once on this rank too."""
-        lost = {p: why for p, why in self._lost.items()}
-        if lost:
-            raise PeerLostError(f"Rank {self.rank}: " + "; ".join(lost.values()))
+        if self._lost:
+            raise PeerLostError(f"Rank {self.rank}: " + "; ".join(self._lost.values()))
 
     def _raise_connect_timeout(self, missing: list[int], what: str) -> None:
         where = ", ".join(f"rank {m} at {self.addresses[m]!r}" for m in missing)
