@@ -85,6 +85,13 @@ def _context() -> _Context:
     return getattr(_local, "context", None) or _Context(HOST_CALL, 1)
 
 
+def _workers_updating_in_model_fn() -> int:
+    """How many workers would each update with their own gradients: the number of
+    workers inside ``model_fn`` with more than one, else 0 (an update is fine)."""
+    context = _context()
+    return context.workers if context.place == MODEL_FN and context.workers > 1 else 0
+
+
 def _global_step(original: Any, graph: Any = None) -> Any:
     """``tf.compat.v1.train.get_global_step()`` and friends: one int64 variable named
     ``global_step``, made by the variable creator in scope, so model_fn and host_call
@@ -137,8 +144,8 @@ def _compute_gradients(original: Any, self: Any, loss: Any, var_list: Any = None
 
 def _apply_gradients(original: Any, self: Any, grads_and_vars: Any, global_step: Any = None, name: Any = None,
                      *args: Any, **kwargs: Any) -> Any:
-    place, workers = _context().place, _context().workers
-    if place == MODEL_FN and workers > 1:
+    workers = _workers_updating_in_model_fn()
+    if workers:
         raise SpecError(
             f"`{type(self).__name__}.apply_gradients` inside `model_fn` would update each of the {workers} "
             f"workers with its own gradients, never averaged across them. {_HOST_CALL_HINT}"
@@ -150,8 +157,8 @@ def _apply_gradients(original: Any, self: Any, grads_and_vars: Any, global_step:
 
 
 def _minimize(original: Any, self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
-    place, workers = _context().place, _context().workers
-    if place == MODEL_FN and workers > 1:
+    workers = _workers_updating_in_model_fn()
+    if workers:
         raise SpecError(
             f"`{type(self).__name__}.minimize` inside `model_fn` cannot average the gradients of the {workers} "
             f"workers before the update. {_HOST_CALL_HINT}"
