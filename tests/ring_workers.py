@@ -328,7 +328,7 @@ def different_names(rank: int, size: int, transport: str) -> dict:
             later = r.allreduce_async("later", np.ones(4, np.float32))
             time.sleep(1.5)
             first = r.allreduce("first", np.ones(4, np.float32))
-            later.wait()
+            later.wait(30)
         else:
             first = r.allreduce("first", np.ones(4, np.float32))
             r.allreduce("later", np.ones(4, np.float32))

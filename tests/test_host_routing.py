@@ -25,7 +25,8 @@ def test_routes_only_inside_the_block_and_on_its_thread() -> None:
         assert Child().name(3) == "routed base 3"
         thread = threading.Thread(target=lambda: seen_elsewhere.append(Child().name(4)))
         thread.start()
-        thread.join()
+        thread.join(30)
+        assert not thread.is_alive()
     assert seen_elsewhere == ["base 4"]
     assert "name" not in vars(Child) and Base.name(Base(), 5) == "base 5"
     assert Base.__dict__["name"].__qualname__ == "Base.name"  # the original is back
