@@ -114,7 +114,10 @@ def job(tmp_path: Path):
                               capture_output=True, timeout=timeout)
 
     def start(args: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(args, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # As from an interactive shell: a suite started in the background inherits an
+        # ignored SIGINT, which the launcher deliberately keeps ignored (nohup).
+        return subprocess.Popen(args, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     class Job:
         pass
