@@ -141,6 +141,42 @@ def test_clear_errors_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not hvd.is_initialized()
 
 
+@pytest.mark.parametrize("ordered", [False, True])
+def test_handoff_ops_in_a_graph_follow_the_engines_ordering(ordered: bool) -> None:
+    """Ordered engines (MPI, Horovod's core ops): hand-offs chained last tensor first, so
+    every rank submits in one order; the ring: unchained. Either way every wait op runs
+    after every hand-off of its group."""
+    import tensorflow as tf
+
+    from hostreduce.reducers.local import LocalReducer
+    from hostreduce.streaming import Channel, Collective, exchange
+
+    reducer = LocalReducer()
+    channel = Channel(lambda: reducer, ordered)
+
+    @tf.function
+    def step(a, b, c):
+        return exchange(channel, [a * 2.0, b * 3.0, c * 4.0], [Collective("allreduce", f"t{i}") for i in range(3)])
+
+    spec = tf.TensorSpec([2])
+    graph = step.get_concrete_function(spec, spec, spec).graph
+    handoffs = {op.name: op for op in graph.get_operations() if op.name.startswith("hostreduce_handoff_")}
+    waits = [op for op in graph.get_operations() if op.name.startswith("hostreduce_wait_")]
+    assert sorted(handoffs) == ["hostreduce_handoff_0", "hostreduce_handoff_1", "hostreduce_handoff_2"]
+    chained = {name: sorted(c.name for c in op.control_inputs if c.name in handoffs) for name, op in handoffs.items()}
+    if ordered:
+        assert chained == {"hostreduce_handoff_2": [], "hostreduce_handoff_1": ["hostreduce_handoff_2"],
+                           "hostreduce_handoff_0": ["hostreduce_handoff_1"]}
+    else:
+        assert chained == {name: [] for name in handoffs}
+    for wait in waits:
+        before = {c.name for c in wait.control_inputs} | {t.op.name for t in wait.inputs}
+        assert before >= set(handoffs), wait.name
+    out = step(tf.ones([2]), tf.ones([2]), tf.ones([2]))
+    assert [list(t.numpy()) for t in out] == [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
+    reducer.close()
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_ops_and_training_under_mpirun(reference: dict, tmp_path: Path) -> None:

@@ -122,7 +122,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         raise ConfigError("`gradient_predivide_factor` needs op=Average. "
                           f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")
     if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-        raise ConfigError(f"`groups` must be a positive integer or a list of lists of variables. Received: groups={groups!r}")
+        raise ConfigError("`groups` must be a positive integer or a list of lists of variables. "
+                          f"Received: groups={groups!r}")
     _engine.job()  # fail here, not at gradient(), when init() was not called
     return _DistributedGradientTape(gradtape, compression, bool(sparse_as_dense), rop,
                                     float(gradient_predivide_factor), bool(scale_local_gradients))
