@@ -111,6 +111,17 @@ def test_run_config_accepts_device_settings_with_one_warning_each(monkeypatch: p
         RunConfig(save_checkpoints_secs=-1)
 
 
+def test_tf_random_seed_repeats_initial_weights() -> None:
+    def initial_loss(seed: int) -> float:
+        est = Estimator(common.mlp_model_fn, params={"optimizer": "sgd"},
+                        config=RunConfig(tf_random_seed=seed, log_step_count_steps=None))
+        return est.evaluate(common.make_input_fn(repeat=False), steps=2)["loss"]
+
+    first = initial_loss(3)
+    assert initial_loss(3) == first
+    assert initial_loss(4) != first
+
+
 def test_input_fn_gets_params_and_config() -> None:
     seen = {}
 

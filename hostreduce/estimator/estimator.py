@@ -66,6 +66,7 @@ class Estimator:
         self._global_step = 0
         self._step_synced = False
         self._last_save = time.monotonic()
+        self._seeded = False
 
     # -- properties ------------------------------------------------------------
     @property
@@ -106,10 +107,9 @@ class Estimator:
         if cached is not None and cached[0] == signature:
             return cached[1]
         args = (self.model_fn, self.params, self.config, self._store, element_spec, self._timeline)
-        if self.config.tf_random_seed is not None:
-            import tensorflow as tf
-
-            tf.random.set_seed(self.config.tf_random_seed)
+        if self.config.tf_random_seed is not None and not self._seeded:
+            _set_random_seed(self.config.tf_random_seed)
+            self._seeded = True
         if mode == ModeKeys.TRAIN:
             program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply,
                                    stream_gradients=self.config.stream_gradients)
@@ -334,6 +334,30 @@ class Estimator:
         """Flush the timeline and release the strategy's reducer."""
         self._timeline.flush()
         self._strategy.close()
+
+
+def _set_random_seed(seed: int) -> None:
+    """Seed everything that chooses initial weights and random ops: Python's and NumPy's
+    generators, TensorFlow's global seed, and Keras (3 and/or tf_keras) as
+    ``keras.utils.set_random_seed`` does."""
+    import importlib
+    import importlib.util
+    import random
+
+    import tensorflow as tf
+
+    from ..host._keras import loaded_kerases
+
+    # Load the Keras behind tf.keras (tf_keras under TF_USE_LEGACY_KERAS=1) and Keras 3
+    # now: importing one later would draw from the generators seeded here.
+    tf.keras.utils  # noqa: B018
+    if importlib.util.find_spec("keras") is not None:
+        importlib.import_module("keras")
+    random.seed(seed)
+    np.random.seed(seed)
+    tf.random.set_seed(seed)
+    for keras in loaded_kerases():
+        keras.utils.set_random_seed(seed)
 
 
 def _batch_size(features: Any) -> int:

@@ -166,8 +166,9 @@ class RunConfig(_Settings):
             sequential schedule, useful to measure what the overlap gains.
         save_checkpoints_secs: the chief also saves when this many seconds passed
             since its last save (checked after each step).
-        tf_random_seed: passed to ``tf.random.set_seed`` before ``model_fn`` is traced,
-            so initial weights and random ops repeat from run to run.
+        tf_random_seed: seeds Python's, NumPy's, TensorFlow's and Keras's generators
+            (as ``keras.utils.set_random_seed``) once, before ``model_fn`` is first
+            traced, so initial weights and random ops repeat from run to run.
 
     Settings that only tuned a TF1 session or an IPU/NPU device (see
     ``IGNORED_SETTINGS``) are accepted with one warning each; other unknown keywords
