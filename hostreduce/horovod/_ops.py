@@ -16,7 +16,8 @@ from . import _engine
 from ._compression import Compression
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
-           "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors"]
+           "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors",
+           "reduce_gradients"]
 
 
 class ReduceOp:
@@ -155,6 +156,28 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
             at, ctx = info
             out.append(_scale(compression.decompress(results[at], ctx), postscale_factor, "postscale_factor"))
     return out
+
+
+def reduce_gradients(gradients: Sequence[Any], labels: Sequence[str], *, op: ReduceOp, compression: Any,
+                     sparse_as_dense: bool, predivide: float = 1.0) -> list[Any]:
+    """Gradients reduced over the job, as one group (None passes through): what
+    ``DistributedGradientTape`` and the Keras optimizer wrappers share.
+
+    ``sparse_as_dense`` turns ``tf.IndexedSlices`` into dense tensors first (also with
+    one worker, as Horovod does); ``predivide`` (with Average) scales by ``1 / predivide``
+    before the sum and ``predivide / size()`` after it. With one worker nothing is sent.
+    """
+    import tensorflow as tf
+
+    grads = list(gradients)
+    if sparse_as_dense:
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    if _engine.size() == 1:
+        return grads
+    pre, post = (1.0 / predivide, predivide) if predivide != 1.0 else (1.0, 1.0)
+    base = _engine.collective_name("gradients", None)
+    return reduce_tensors(grads, op, [f"{base}/{i}" for i in range(len(grads))], labels=labels,
+                          compression=compression, prescale_factor=pre, postscale_factor=post)
 
 
 def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_sparse: str = "",

@@ -16,7 +16,7 @@ import tensorflow as tf
 from ..errors import ConfigError
 from . import _engine
 from ._compression import Compression
-from ._ops import Average, _check_compression, _check_process_set, global_process_set, reduce_tensors, resolve_op
+from ._ops import Average, _check_compression, _check_process_set, global_process_set, reduce_gradients, resolve_op
 
 __all__ = ["DistributedGradientTape"]
 
@@ -62,21 +62,10 @@ class _DistributedGradientTape(tf.GradientTape):
         flat = tf.nest.flatten(gradients)
         todo = [i for i, (s, g) in enumerate(zip(flat_sources, flat))
                 if g is not None and _key(s) not in self._hvd_local]
-        if self._hvd_sparse_as_dense:  # also with one worker, as in Horovod
-            for i in todo:
-                if isinstance(flat[i], tf.IndexedSlices):
-                    flat[i] = tf.convert_to_tensor(flat[i])
         world = _engine.size()
-        if world == 1:
-            return tf.nest.pack_sequence_as(gradients, flat)
-        grads = [flat[i] for i in todo]
-        pre, post = 1.0, 1.0
-        if self._hvd_predivide != 1.0:
-            pre, post = 1.0 / self._hvd_predivide, self._hvd_predivide
-        base = _engine.collective_name("gradients", None)
-        reduced = reduce_tensors(grads, self._hvd_op, [f"{base}/{i}" for i in todo],
-                                 labels=[_label(flat_sources[i], i) for i in todo],
-                                 compression=self._hvd_compression, prescale_factor=pre, postscale_factor=post)
+        reduced = reduce_gradients([flat[i] for i in todo], [_label(flat_sources[i], i) for i in todo],
+                                   op=self._hvd_op, compression=self._hvd_compression,
+                                   sparse_as_dense=self._hvd_sparse_as_dense, predivide=self._hvd_predivide)
         out = list(flat)
         for i, g in zip(todo, reduced):
             out[i] = g

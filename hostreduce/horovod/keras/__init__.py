@@ -1,0 +1,103 @@
+"""Horovod's Keras API on hostreduce's engines: ``import hostreduce.horovod.keras as hvd``,
+as ``horovod.tensorflow.keras``.
+
+``DistributedOptimizer`` wraps a Keras 3 (or tf_keras) optimizer so that
+``model.compile(optimizer=hvd.DistributedOptimizer(opt))`` and ``model.fit`` reduce the
+gradients over the job, each one as soon as the backward pass has produced it;
+:mod:`.callbacks` has Horovod's broadcast, metric-average and learning-rate callbacks.
+The process API (``init``, ``rank``, ``size``, ...) is that of :mod:`hostreduce.horovod`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ConfigError
+from .. import _engine
+from .._compression import Compression
+from .._engine import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
+                       size)
+from .._ops import (Average, Max, Min, Sum, _check_compression, _check_process_set, broadcast_variables,
+                    global_process_set, resolve_op)
+from .._optimizer import WrapperConfig, wrap_optimizer
+from . import callbacks
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "DistributedOptimizer", "broadcast_global_variables", "callbacks", "Compression", "Average", "Sum", "Min",
+    "Max",
+]
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+                         compression: Any = Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: Any = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                         process_set: Any = global_process_set, scale_local_gradients: bool = True,
+                         variables_on_host: bool = False) -> Any:
+    """An optimizer like ``optimizer`` whose updates use the gradients reduced over the job.
+
+    Args:
+        optimizer: a Keras 3 or tf_keras optimizer that has not been used yet; the
+            returned optimizer is a new one of the same class and configuration.
+        name: the new optimizer's name (default: ``optimizer``'s).
+        device_dense, device_sparse: accepted; reductions always run in host memory.
+        compression: ``Compression.none`` or ``Compression.fp16`` (dense gradients).
+        sparse_as_dense: reduce ``tf.IndexedSlices`` gradients (an ``Embedding``'s) as
+            dense tensors; otherwise their values and indices are all-gathered.
+        gradient_predivide_factor: with ``Average``, scale by ``1 / factor`` before the
+            sum and ``factor / size()`` after it.
+        op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
+        backward_passes_per_step: only 1 is supported (every step reduces and applies).
+        average_aggregated_gradients: accepted; it has no effect with one backward pass
+            per step.
+        num_groups, groups: accepted; every gradient is handed off on its own as soon as
+            it is produced, so explicit grouping changes nothing.
+        process_set: only the whole job is supported.
+        scale_local_gradients: accepted (the Keras wrapper has no local variables).
+        variables_on_host: keep every optimizer variable (slots, iterations, learning
+            rate) on ``/CPU:0`` and apply the update there with TensorFlow's fused CPU
+            kernels; the model must be built in host memory (``tf.device('/CPU:0')``).
+            Not a Horovod argument; default False, as Horovod behaves.
+
+    Returns:
+        The wrapped optimizer, for ``model.compile(optimizer=...)`` or a custom loop's
+        ``apply_gradients``. In ``compile``, leave ``jit_compile`` off.
+    """
+    _check_process_set(process_set)
+    _check_compression(compression)
+    rop = resolve_op(op)
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ConfigError("`backward_passes_per_step` must be an integer >= 1. "
+                         f"Received: backward_passes_per_step={backward_passes_per_step!r}")
+    if backward_passes_per_step != 1:
+        raise ConfigError(
+            "`backward_passes_per_step` > 1 (local gradient aggregation) is not supported by hostreduce's "
+            "DistributedOptimizer; use a larger batch, or Keras 3's own `gradient_accumulation_steps` on the "
+            f"optimizer. Received: backward_passes_per_step={backward_passes_per_step!r}"
+        )
+    if gradient_predivide_factor != 1.0 and rop is not Average:
+        raise ConfigError("`gradient_predivide_factor` needs op=Average. "
+                          f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")
+    config = WrapperConfig(rop, compression, bool(sparse_as_dense), float(gradient_predivide_factor),
+                           bool(variables_on_host))
+    return wrap_optimizer(optimizer, config, name)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Broadcast TensorFlow 1's global variables from ``root_rank`` (graph mode only).
+
+    Eagerly, as in Horovod, this raises: broadcast ``model.variables`` and
+    ``optimizer.variables`` with ``hostreduce.horovod.broadcast_variables``, or use
+    ``callbacks.BroadcastGlobalVariablesCallback(root_rank)`` in ``fit``.
+    """
+    import tensorflow as tf
+
+    _engine.job()
+    if tf.executing_eagerly():
+        raise ConfigError(
+            "broadcast_global_variables() does not support eager execution (TensorFlow 2 has no global "
+            "variables). Use callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "
+            f"hostreduce.horovod.broadcast_variables(model.variables, root_rank). Received: root_rank={root_rank!r}"
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
