@@ -76,11 +76,8 @@ class Job:
         return reducer
 
     def close(self, barrier: bool = True) -> None:
-        """Close the engine; with ``barrier``, first wait until every rank is done.
-
-        A rank that closes while a peer still runs its last steps would fail that peer's
-        next collective; Horovod's ``shutdown()`` is collective for the same reason.
-        """
+        """Close the engine; with ``barrier`` (``shutdown()``), first wait until every
+        rank is done, as Horovod's ``shutdown()`` does."""
         try:
             reducer = self._reducer
             if barrier and reducer is not None and not reducer.closed and reducer.size > 1:
@@ -111,9 +108,9 @@ _exit_hook_registered = False
 
 
 def _end_job_at_exit() -> None:
-    """Close the job's engine at exit, after a barrier, ahead of the reducers' own exit
-    hook (which closes without one: see ``reducers/base.py``); a run that ends with an
-    unhandled exception is left to that hook, which aborts the job naming the error."""
+    """Close the job's engine at exit (flushing its timeline) ahead of the reducers' own
+    exit hook; a run that ends with an unhandled exception is left to that hook, which
+    aborts the job naming the error."""
     global _exit_hook_registered
     with _lock:
         if _exit_hook_registered:
@@ -138,7 +135,9 @@ def _close_at_exit() -> None:
         job, _job = _job, None
     if job is not None:
         try:
-            job.close()
+            # No barrier at exit: a rank may finish long before its peers, and leaving
+            # early is an orderly goodbye that fails none of them.
+            job.close(barrier=False)
         except Exception as exc:  # noqa: BLE001 - at exit: the reducers' own hook still runs
             logger.warning("hostreduce.horovod: closing the job at exit failed: %s: %s", type(exc).__name__, exc)
 

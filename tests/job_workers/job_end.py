@@ -5,7 +5,8 @@ Usage: python job_end.py REDUCER MODE STEPS [FAIL_RANK FAIL_STEP]
 REDUCER is ``ring`` (cluster from TF_CONFIG, settings from HOSTREDUCE_*) or ``mpi``
 (under mpirun, timeout_s from HOSTREDUCE_TIMEOUT_S). MODE:
 
-- ``noclose``: every rank all-reduces STEPS times and returns without ``close()``.
+- ``noclose``: every rank all-reduces STEPS times and returns without ``close()``;
+  rank r first works 0.7 r seconds more without collectives, so rank 0 leaves first.
 - ``raise``: rank FAIL_RANK raises ``ValueError`` before step FAIL_STEP; nothing is
   caught anywhere.
 - ``catch``: like ``raise``, but the other ranks catch every error and return normally.
@@ -56,6 +57,10 @@ def main(argv: list[str]) -> None:
             raise
         print(f"CAUGHT {r.rank} {type(e).__name__}: {e}", flush=True)
         return
+    if mode == "noclose":
+        # Ranks leave at different times: rank 0 (the ring's coordinator) first, while
+        # the others still work without collectives, as scripts do after training.
+        time.sleep(0.7 * r.rank)
     print(f"FINISHED {r.rank} {time.monotonic()}", flush=True)
 
 

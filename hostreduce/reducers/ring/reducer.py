@@ -146,6 +146,7 @@ class RingReducer(Reducer):
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._setup: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._failed = False  # _error is a failure (not rank 0's orderly goodbye)
         self._barriers = 0
         self._tag = 0
         self._stats: collections.Counter = collections.Counter()
@@ -463,15 +464,23 @@ class RingReducer(Reducer):
         self._peer_failed(err)
         self._fail(err)
 
-    def _fail(self, err: BaseException) -> None:
+    def _fail(self, err: BaseException, *, failure: bool = True) -> None:
+        """Fail every pending and later collective with ``err``. A ``failure`` is logged
+        and reported to every peer; rank 0's orderly goodbye is not one: it only ends
+        what can no longer run here."""
         with self._lock:
             if self._error is not None:
                 return
             self._error = err
+            self._failed = failure
             pending, self._pending = self._pending, {}
-        log.error("%s", err)
+        if failure:
+            log.error("%s", err)
+        else:
+            log.debug("%s", err)
         if self._mesh is not None:
-            self._mesh.broadcast_abort(str(err))
+            if failure:
+                self._mesh.broadcast_abort(str(err))
             self._mesh.wake_all()
         for p in pending.values():
             p.handle.set_error(err)
@@ -777,7 +786,7 @@ class RingReducer(Reducer):
                     if it.get("kind") != "departed":
                         self._execute(it)
             self._fail(PeerLostError(f"Rank {self._rank}: rank 0 (the coordinator) closed its reducer; "
-                                     "no further collectives can run"))
+                                     "no further collectives can run"), failure=False)
             return
         if kind == "error":
             if item["etype"] == "lost":  # a rank stopped answering: the job cannot go on
@@ -829,7 +838,8 @@ class RingReducer(Reducer):
 
     # ------------------------------------------------------------------ shutdown
     def _close(self) -> None:
-        self._shutdown(graceful=self._error is None)
+        # After rank 0's goodbye this rank still says goodbye to the others: it did not fail.
+        self._shutdown(graceful=self._error is None or not self._failed)
 
     def _close_failed(self, reason: str) -> None:
         # Peers fail at once with this rank's error, not with a goodbye.
