@@ -259,6 +259,8 @@ def _check_mnist(output: str, returncode: int, checkpoints: Path) -> None:
     digests = dict(_DIGEST.findall(output))
     assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], output
     assert "finished gradual learning rate warmup" in output, output
+    # Keras's progress bar on rank 0 only (verbose=0 elsewhere), with the averaged metrics.
+    assert output.count("Epoch 1/3") == 1 and re.search(r"10/10.*accuracy: [0-9.]+ - loss: [0-9.]+", output), output
     assert sorted(p.name for p in checkpoints.glob("checkpoint-*.keras")) == ["checkpoint-1.keras",
                                                                              "checkpoint-2.keras",
                                                                              "checkpoint-3.keras"], output
