@@ -15,7 +15,10 @@ slot) are created on ``/CPU:0``, the model's trainable variables must already li
 there, and the update runs on the host through :func:`hostreduce.host.apply_gradients`
 (TensorFlow's fused CPU kernels for Keras SGD and Adam). Each variable's update reads
 only its own reduced gradient, so TensorFlow runs it as soon as that gradient's
-reduction completes, not once per step.
+reduction has been collected, not once per step. (The wait ops are stateful, so
+``tf.function`` runs them in the order they were created: the order the backward pass
+produces gradients in. The output layer's update thus overlaps the reductions of the
+layers below it.)
 """
 from __future__ import annotations
 
