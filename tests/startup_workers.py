@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import secrets
 import socket
-import threading
 import time
 
 import numpy as np

@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 import keras_api  # noqa: E402
 from mpi_launch import mpi_skip_reason  # noqa: E402
 from script_jobs import base_env, run_launcher, run_mpirun  # noqa: E402
+from weights_check import check_training as _check_training  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -59,18 +60,6 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list]:
                      env={"HOSTREDUCE_TIMELINE": str(timeline_dir)}),
         4: run_ranks(keras_api.rank_main, 4, timeout=300),
     }
-
-
-def _rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1e-12))
-
-
-def _check_training(weights_by_rank: list[list[np.ndarray]], expected: list[np.ndarray], what: str) -> None:
-    for rank, weights in enumerate(weights_by_rank):
-        errors = [_rel_err(w, e) for w, e in zip(weights, expected)]
-        assert len(weights) == len(expected) and max(errors) <= 1e-5, f"{what}, rank {rank}: rel. errors {errors}"
-        for w, w0 in zip(weights, weights_by_rank[0]):
-            assert np.array_equal(w, w0), f"{what}: rank {rank}'s weights differ from rank 0's"
 
 
 @pytest.mark.parametrize("size", [2, 4])
