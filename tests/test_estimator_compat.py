@@ -122,6 +122,20 @@ def test_tf_random_seed_repeats_initial_weights() -> None:
     assert initial_loss(4) != first
 
 
+def test_input_is_read_without_the_autotune_thread_unless_the_dataset_asks() -> None:
+    # TensorFlow's iterator destructor waits for its autotune thread, which could hold up
+    # the end of train() (and the exit of a script) for up to a minute.
+    est = Estimator(common.mlp_model_fn)
+    assert est._dataset(common.make_input_fn(), ModeKeys.TRAIN).options().autotune.enabled is False
+
+    def tuned_input_fn(mode):
+        options = tf.data.Options()
+        options.autotune.enabled = True
+        return common.make_input_fn()(mode).with_options(options)
+
+    assert est._dataset(tuned_input_fn, ModeKeys.TRAIN).options().autotune.enabled is True
+
+
 def test_input_fn_gets_params_and_config() -> None:
     seen = {}
 

@@ -155,7 +155,8 @@ class Estimator:
         self._store.mark_synced(k for k, _ in self._store.unsynced())
 
     def _dataset(self, input_fn: Callable[..., Any], mode: str) -> Any:
-        return call_input_fn(input_fn, mode, self._strategy.input_context(), self.params, self.config)
+        dataset = call_input_fn(input_fn, mode, self._strategy.input_context(), self.params, self.config)
+        return _without_autotune_thread(dataset)
 
     # -- checkpoints -----------------------------------------------------------
     def _save(self) -> None:
@@ -334,6 +335,25 @@ class Estimator:
         """Flush the timeline and release the strategy's reducer."""
         self._timeline.flush()
         self._strategy.close()
+
+
+def _without_autotune_thread(dataset: Any) -> Any:
+    """``dataset`` with tf.data's autotuning off, unless its options set it.
+
+    Each ``train``/``evaluate``/``predict`` call drops its iterator when it returns, and
+    TensorFlow's destructor waits for the iterator's autotune thread, which may sleep
+    through its optimization period (growing to 60 s) before it notices: measured here as
+    1-52 s at the end of ``train``, seemingly at random. Without autotuning there is no
+    such thread; ``AUTOTUNE`` parallelism then stays at TensorFlow's default (the number
+    of cores) and ``prefetch(AUTOTUNE)`` keeps its own buffer tuning.
+    """
+    import tensorflow as tf
+
+    if dataset.options().autotune.enabled is not None:
+        return dataset
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 def _set_random_seed(seed: int) -> None:
