@@ -2,21 +2,24 @@
 the tensor to send and a context, ``decompress(tensor, context)`` undoes it."""
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 
 
-class Compressor:
+class Compressor(abc.ABC):
     """What a compression does to a tensor before its collective and after it."""
 
     @staticmethod
+    @abc.abstractmethod
     def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
+        """The tensor to send, and what ``decompress`` needs to undo the change."""
 
     @staticmethod
+    @abc.abstractmethod
     def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
+        """The received tensor as the caller's dtype."""
 
 
 class NoneCompressor(Compressor):
