@@ -102,7 +102,7 @@ def test_tf1_optimizer_equals_tensorflow(name: str, style: str) -> None:
     seen: dict = {}
     est = Estimator(_make_model_fn(TF1_OPTIMIZERS[name], style, seen),
                     config=RunConfig(train_distribute=SingleProcessStrategy(variables_on_host=True),
-                                     log_step_count_steps=None))
+                                     log_step_count_steps=None, tf_random_seed=0))
     est.train(common.make_input_fn(), steps=0)  # builds the step, creates and initializes variables
     initial = [v.numpy() for v in seen["model"].trainable_variables]
     est.train(common.make_input_fn(), steps=STEPS)
