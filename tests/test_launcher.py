@@ -261,3 +261,48 @@ def test_python_api(capfd) -> None:
         run_workers("true", 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout=-1"):
         run_workers(["true"], 1, timeout=-1)
+
+
+NOTICES = [  # as TensorFlow 2.21 prints them on a machine without a GPU
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795431387.602419   13492 cudart_stub.cc:31] Could not find cuda drivers on your machine, "
+    "GPU will not be used.",
+    "E0000 00:00:1795431392.234203   13492 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: "
+    "Failed call to cuInit: UNKNOWN ERROR (303)",
+    "I0000 00:00:1795431387.602419   13492 port.cc:153] oneDNN custom operations are on. You may see slightly "
+    "different numerical results due to floating-point round-off errors from different computation orders.",
+]
+REAL_ERROR = "E0000 00:00:1795431392.234203   13492 op_kernel.cc:1857] OP_REQUIRES failed: a real error"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("verbose", [False, True])
+def test_tensorflow_start_up_notices_are_dropped_unless_verbose(job, tmp_path: Path, verbose: bool) -> None:
+    script = tmp_path / "noisy.py"
+    script.write_text("import sys\n" + "".join(f"sys.stderr.write({line + chr(10)!r})\n"
+                                                for line in NOTICES + [REAL_ERROR]))
+    res = job.run(job.cli("-np", "2", *(["--verbose"] if verbose else []), sys.executable, str(script)))
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.decode().splitlines()
+    for rank in (0, 1):
+        assert f"[{rank}] {REAL_ERROR}" in lines
+        for notice in NOTICES:
+            assert (f"[{rank}] {notice}" in lines) == verbose, (notice, lines)
+
+
+@pytest.mark.timeout(60)
+def test_failure_message_names_the_workers_exception(job, tmp_path: Path) -> None:
+    script = tmp_path / "bad_config.py"
+    script.write_text("import hostreduce\nhostreduce.Config.from_env(no_such_setting=1)\n")
+    res = job.run(job.cli("-np", "2", sys.executable, str(script)))
+    assert res.returncode == 1
+    last = res.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("hostreduce run: worker "), last
+    assert "ConfigError" in last and "no_such_setting" in last, last
+
+
+def test_version(job) -> None:
+    from hostreduce import __version__
+
+    res = job.run([sys.executable, "-m", "hostreduce", "--version"])
+    assert res.returncode == 0 and res.stdout.decode().strip() == f"hostreduce {__version__}"

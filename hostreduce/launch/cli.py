@@ -46,11 +46,18 @@ def _grace_seconds(raw: str) -> float:
     return value
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hostreduce",
         description="Host-offloaded gradient reduction for TensorFlow data-parallel training.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
     commands.required = True
     run = commands.add_parser(
@@ -73,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grace-period", type=_grace_seconds, default=GRACE_PERIOD_S, metavar="SECONDS",
                      help="seconds between SIGTERM and SIGKILL when stopping workers (default: %(default)s)")
     run.add_argument("--no-prefix", dest="prefix", action="store_false",
-                     help="do not prefix output lines with '[rank] '")
+                     help="do not prefix output lines with '[rank] ' (output is then passed through untouched)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="keep TensorFlow's start-up notices (no CUDA driver, cuInit, CPU instructions, oneDNN), "
+                          "which are dropped from the workers' output otherwise")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                      help="program and arguments each worker runs")
     return parser
@@ -97,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix=args.prefix,
             host=args.host,
             grace_period=args.grace_period,
+            verbose=args.verbose,
         )
     except ValueError as exc:
         sys.stderr.write(f"hostreduce run: error: {exc}\n")

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import BinaryIO, Callable, Mapping, Sequence
 
+from ._output import error_summary, is_startup_notice
+
 __all__ = [
     "run_workers",
     "free_ports",
@@ -105,13 +107,20 @@ def _binary(stream: object) -> BinaryIO | None:
 
 
 class _Relay:
-    """Copies one worker pipe to a destination stream, prefixing every line."""
+    """Copies one worker pipe to a destination stream, prefixing every line.
 
-    def __init__(self, src: BinaryIO, dest: object, prefix: bytes, lock: threading.Lock) -> None:
+    With ``quiet``, TensorFlow's known start-up notices are dropped. ``last_error`` is
+    the last line that named an exception (a traceback's last line).
+    """
+
+    def __init__(self, src: BinaryIO, dest: object, prefix: bytes, lock: threading.Lock,
+                 quiet: bool = False) -> None:
         self._src = src
         self._dest = dest
         self._prefix = prefix
         self._lock = lock
+        self._quiet = quiet
+        self.last_error: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"relay{prefix!r}", daemon=True)
 
     def _write(self, data: bytes) -> None:
@@ -134,6 +143,11 @@ class _Relay:
                 chunk = self._src.readline(_CHUNK)
                 if not chunk:
                     break
+                if at_line_start:
+                    if self._quiet and is_startup_notice(chunk):
+                        at_line_start = chunk.endswith(b"\n")
+                        continue
+                    self.last_error = error_summary(chunk) or self.last_error
                 self._write((self._prefix if at_line_start else b"") + chunk)
                 at_line_start = chunk.endswith(b"\n")
             if not at_line_start:
@@ -153,6 +167,7 @@ class _Job:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.relays: list[_Relay] = []
+        self.errors: dict[int, _Relay] = {}
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
 
     def watch(self, index: int, proc: subprocess.Popen[bytes]) -> None:
@@ -220,6 +235,14 @@ class _Job:
         for relay in self.relays:
             relay.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def error_of(self, index: int, wait: float = 2.0) -> str | None:
+        """The exception worker ``index`` reported last, once its stderr is drained."""
+        relay = self.errors.get(index)
+        if relay is None:
+            return None
+        relay.thread.join(timeout=wait)
+        return relay.last_error
+
 
 def _message(text: str) -> None:
     try:
@@ -238,6 +261,7 @@ def run_workers(
     *,
     host: str = "127.0.0.1",
     grace_period: float = GRACE_PERIOD_S,
+    verbose: bool = False,
 ) -> int:
     """Run ``command`` as ``num_workers`` local workers of one job and wait for them.
 
@@ -252,6 +276,8 @@ def run_workers(
         prefix: prefix every output line with ``[rank] ``.
         host: address the workers' cluster addresses use.
         grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        verbose: keep TensorFlow's start-up notices (no CUDA driver, ``cuInit``, CPU
+            instructions, oneDNN) in the relayed output; they are dropped otherwise.
 
     Returns:
         0 when every worker succeeded; otherwise the exit status of the first worker
@@ -311,9 +337,10 @@ def run_workers(
             if prefix:
                 tag = f"[{index}] ".encode()
                 for src, dest, lock in ((proc.stdout, sys.stdout, out_lock), (proc.stderr, sys.stderr, err_lock)):
-                    relay = _Relay(src, dest, tag, lock)  # type: ignore[arg-type]
+                    relay = _Relay(src, dest, tag, lock, quiet=not verbose)  # type: ignore[arg-type]
                     job.relays.append(relay)
                     relay.thread.start()
+                job.errors[index] = relay
             job.watch(index, proc)
 
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -336,6 +363,9 @@ def run_workers(
                     if returncode < 0 and -returncode in signal.valid_signals()
                     else f"exited with code {returncode}"
                 )
+                error = job.error_of(index)
+                if error:
+                    how += f" ({error})"
                 if remaining:
                     _message(f"worker {index} {how}; stopping the other workers")
                 else:
