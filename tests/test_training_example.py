@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, workers: int = 2) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TF_CONFIG", None)
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--",
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(workers), "--",
            sys.executable, str(ROOT / "examples" / "mnist" / "train.py"), *args]
     proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
@@ -44,4 +44,12 @@ def test_two_workers_reach_accuracy_and_resume(tmp_path: Path) -> None:
     # the evaluation (each worker scores its half of the test set) is unchanged.
     again = _run("--model-dir", str(model_dir))
     assert "step 50: loss" not in again
+    assert "trained 0 steps" in again and "resumed at step 179" in again, again
     assert _accuracy(again) == first
+
+
+def test_any_number_of_workers_trains_with_the_default_batch() -> None:
+    out = _run("--epochs", "1", workers=3)
+    assert "using a global batch of 63 (21 per worker)" in out, out
+    assert "trained 22 steps" in out, out
+    assert _accuracy(out) > 0.5

@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "none: this process alone")
     parser.add_argument("--data-dir", help="directory holding mnist.npz (Keras format); default: "
                                            "scikit-learn's bundled 8x8 digits")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size (split across workers)")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size, split across workers (rounded down to a multiple of their number)")
     parser.add_argument("--epochs", type=float, default=8.0)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--model-dir", help="checkpoint directory (training resumes from it)")
@@ -139,9 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[rank {strategy.rank}] %(message)s")
     # Training progress has its own logger, independent of the engine's log level.
     logging.getLogger("hostreduce.estimator").setLevel(logging.INFO if chief else logging.WARNING)
-    if args.batch_size % strategy.size:
-        sys.exit(f"--batch-size must be divisible by the number of workers ({strategy.size}). "
+    if args.batch_size < strategy.size:
+        sys.exit(f"--batch-size must be at least the number of workers ({strategy.size}). "
                  f"Received: --batch-size {args.batch_size}")
+    if args.batch_size % strategy.size:
+        per_worker = args.batch_size // strategy.size
+        if chief:
+            log.info("--batch-size %d is not a multiple of %d workers: using a global batch of %d (%d per worker)",
+                     args.batch_size, strategy.size, per_worker * strategy.size, per_worker)
+        args.batch_size = per_worker * strategy.size
     steps = int(args.epochs * len(x_train) / args.batch_size)
     config = RunConfig(train_distribute=strategy, model_dir=args.model_dir, save_checkpoints_steps=args.save_steps,
                        log_step_count_steps=args.log_steps, timeline_dir=args.timeline_dir)
@@ -149,12 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     if chief:
         log.info("%d workers, global batch %d, %d steps, %d training / %d test images", strategy.size,
                  args.batch_size, steps, len(x_train), len(x_test))
+    seen: list[int] = []  # the global steps this run trained (a resumed run starts past 0)
+
+    def record(step: int, _loss: float) -> None:
+        seen.append(step)
+
     start = time.perf_counter()
-    estimator.train(make_input_fn(x_train, y_train, args.batch_size, True, args.seed), max_steps=steps)
+    estimator.train(make_input_fn(x_train, y_train, args.batch_size, True, args.seed), max_steps=steps,
+                    hooks=[record])
     train_s = time.perf_counter() - start
     metrics = estimator.evaluate(make_input_fn(x_test, y_test, args.batch_size, False, args.seed))
     if chief:
-        log.info("trained %d steps in %.1f s; test loss %.4f", estimator.global_step, train_s, metrics["loss"])
+        trained, first_step = len(seen), (seen[0] - 1 if seen else estimator.global_step)
+        resumed = f" (resumed at step {first_step}, now at step {estimator.global_step})" if first_step else ""
+        log.info("trained %d steps in %.1f s%s; test loss %.4f", trained, train_s, resumed, metrics["loss"])
         print(f"test accuracy: {metrics['accuracy']:.4f}", flush=True)
     estimator.close()
     return 0
