@@ -42,6 +42,15 @@ def _check_rank(events: list[dict], rank: int) -> None:
         assert order[0] >= 16 and kernels.index(0) >= 6 and kernels.index(16) <= 2, \
             f"rank {rank}: hand-off order {order}"
     assert overlapped >= len(backward[1:]) - 1, f"rank {rank}: reductions started after the backward pass"
+    # The forward/backward boundary is where the loss is ready: the backward pass starts
+    # there, so each step's first hand-off falls inside its backward span.
+    handed = sorted(handoffs, key=lambda e: e["ts"])
+    inside = 0
+    for k, bwd in enumerate(backward[1:], start=1):
+        assert bwd["dur"] > 0, f"rank {rank}: empty backward span in step {k}"
+        first = handed[18 * k]["ts"]
+        inside += bwd["ts"] <= first <= bwd["ts"] + bwd["dur"]
+    assert inside >= len(backward[1:]) - 1, f"rank {rank}: first hand-off outside the backward pass"
 
 
 def test_reductions_start_during_backward(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ on scikit-learn's digits, and a restart resumes every worker from the chief's
 checkpoint."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -32,6 +33,18 @@ def _accuracy(out: str) -> float:
     return float(found[0])
 
 
+def _steps_with_the_first_handoff_in_backward(timeline: Path) -> float:
+    """The fraction of steps whose backward span is non-empty and holds the step's first
+    gradient hand-off (the forward/backward boundary is where the loss is ready)."""
+    events = [e for e in json.loads(timeline.read_text())["traceEvents"] if e.get("ph") == "X"]
+    backward = sorted((e for e in events if e["name"] == "backward"), key=lambda e: e["ts"])
+    handoffs = sorted(e["ts"] for e in events if e["cat"] == "handoff")
+    per_step = len(handoffs) // len(backward)
+    good = sum(1 for k, span in enumerate(backward)
+               if span["dur"] > 0 and span["ts"] <= handoffs[k * per_step] <= span["ts"] + span["dur"])
+    return good / len(backward)
+
+
 def test_two_workers_reach_accuracy_and_resume(tmp_path: Path) -> None:
     model_dir, timeline = tmp_path / "model", tmp_path / "timeline"
     out = _run("--model-dir", str(model_dir), "--timeline-dir", str(timeline))
@@ -39,6 +52,8 @@ def test_two_workers_reach_accuracy_and_resume(tmp_path: Path) -> None:
     first = _accuracy(out)
     assert first >= 0.95, out
     assert sorted(p.name for p in timeline.iterdir()) == ["timeline-rank0.json", "timeline-rank1.json"]
+    for trace in timeline.iterdir():
+        assert _steps_with_the_first_handoff_in_backward(trace) >= 0.95, trace.name
     assert [p.name for p in model_dir.iterdir() if p.name.startswith("ckpt-")] == ["ckpt-000000179"]
     # Restarting finds training complete: both workers restore the chief's weights, so
     # the evaluation (each worker scores its half of the test set) is unchanged.

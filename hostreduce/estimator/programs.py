@@ -70,6 +70,19 @@ class _Marker:
 
         return tf.numpy_function(mark, tensors, tf.int32, stateful=False, name=f"hostreduce_mark_{name}")
 
+    def seed(self, name: str, loss: Any) -> Any:
+        """Ones like ``loss``, made by an op that marks ``name`` when ``loss`` is ready
+        (a gradient seed that no graph optimization can fold into a constant)."""
+        import tensorflow as tf
+
+        def mark(value: np.ndarray) -> np.ndarray:
+            self.times[name] = now_us()
+            return np.ones_like(value)
+
+        ones = tf.numpy_function(mark, [loss], loss.dtype, stateful=False, name=f"hostreduce_mark_{name}")
+        ones.set_shape(loss.shape)
+        return ones
+
 
 class _ProgramBase:
     mode: str = ""
@@ -138,13 +151,19 @@ class TrainProgram(_ProgramBase):
         timed = self.timeline.enabled
         if timed:
             outputs["mark_start"] = self._marker.attach("start", tf.nest.flatten(features)[:1])
-        with self.store.scope(), tf.GradientTape() as tape, recording(tape):
+        marked: list[Any] = []
+
+        def loss_ready(loss: Any) -> Any:
+            marked.append(self._marker.seed("forward", tf.convert_to_tensor(loss)))
+            return marked[-1]
+
+        with self.store.scope(), tf.GradientTape() as tape, recording(tape, loss_ready if timed else None):
             spec = self._call_model_fn(features, labels)
             labels_by_id = gradient_labels()
         outputs["loss"] = tf.convert_to_tensor(spec.loss)
         if spec.train_op is not None:
             outputs["train_op"] = _as_output(spec.train_op)
-        if timed:
+        if timed and not marked:  # gradients from the model_fn's own tape: mark the loss alone
             outputs["mark_forward"] = self._marker.attach("forward", [outputs["loss"]])
         if spec.host_call is None:
             if self.strategy.size > 1:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import SpecError
 from ._keras import underlying_variable
@@ -19,14 +19,22 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def recording(tape: Any) -> Iterator[None]:
-    """Make ``tape`` the one :func:`compute_gradients` uses inside this block."""
-    previous = getattr(_state, "tape", None), getattr(_state, "labels", None)
-    _state.tape, _state.labels = tape, {}
+def recording(tape: Any, loss_ready: Callable[[Any], Any] | None = None) -> Iterator[None]:
+    """Make ``tape`` the one :func:`compute_gradients` uses inside this block.
+
+    ``loss_ready(loss)``, when given, returns the backward pass's seed (ones like
+    ``loss``) from an op that runs once the loss is computed: the timeline's boundary
+    between the forward and backward passes. Without it, the backward pass starts from
+    a constant seed and needs only the forward pass's activations, so it can begin
+    before the loss itself is ready and no point in time separates the two passes.
+    """
+    previous = (getattr(_state, "tape", None), getattr(_state, "labels", None),
+                getattr(_state, "loss_ready", None))
+    _state.tape, _state.labels, _state.loss_ready = tape, {}, loss_ready
     try:
         yield
     finally:
-        _state.tape, _state.labels = previous
+        _state.tape, _state.labels, _state.loss_ready = previous
 
 
 def gradient_labels() -> dict[int, str]:
@@ -93,8 +101,11 @@ def gradients_or_none(loss: Any, variables: Sequence[Any], output_gradients: Any
         raise SpecError("`loss` must be a scalar tensor. Received: loss=None")
     variables = list(variables)
     tape = getattr(_state, "tape", None)
+    loss_ready = getattr(_state, "loss_ready", None)
     if tape is not None:
         with tape.stop_recording():
+            if loss_ready is not None and output_gradients is None:
+                output_gradients = loss_ready(loss)
             grads = tape.gradient(loss, variables, output_gradients=output_gradients)
     elif tf.inside_function():
         sources = [v if underlying_variable(v) is None else underlying_variable(v) for v in variables]
