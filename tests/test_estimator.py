@@ -131,3 +131,35 @@ def test_model_built_outside_model_fn_is_tracked() -> None:
     kernel = [n for n in names if n.startswith("external/") and "kernel" in n][0]
     np.testing.assert_array_equal(est.get_variable_value(kernel), model.layers[0].kernel.numpy())
     assert int(optimizer.iterations) == 3
+
+
+def test_tensorboard_summaries_of_training_and_evaluation(tmp_path: Path) -> None:
+    from hostreduce.estimator.summaries import read_scalars
+
+    config = RunConfig(model_dir=str(tmp_path), save_summary_steps=3, log_step_count_steps=None)
+    est = Estimator(common.mlp_model_fn, params={"optimizer": "adam"}, config=config)
+    losses: list[float] = []
+    est.train(common.make_input_fn(), steps=9, hooks=[lambda step, loss: losses.append(loss)])
+    metrics = est.evaluate(common.make_input_fn(repeat=False), steps=4)
+    est.close()
+    train = read_scalars(str(tmp_path))
+    assert sorted(train) == ["examples/sec", "global_step/sec", "loss"]
+    assert [step for step, _ in train["loss"]] == [3, 6, 9]
+    # One worker: the mean over workers is this worker's loss of that step.
+    np.testing.assert_allclose([v for _, v in train["loss"]], [losses[2], losses[5], losses[8]], rtol=1e-6)
+    assert all(v > 0 for _, v in train["examples/sec"] + train["global_step/sec"])
+    evaluation = read_scalars(str(tmp_path / "eval"))
+    assert set(evaluation) == {"loss", "accuracy"}
+    for name in ("loss", "accuracy"):
+        assert evaluation[name] == [(9, pytest.approx(metrics[name], rel=1e-6))]
+    # None (or 0) writes no event file.
+    quiet = tmp_path / "quiet"
+    est = Estimator(common.mlp_model_fn, params={"optimizer": "sgd"},
+                    config=RunConfig(model_dir=str(quiet), save_summary_steps=None))
+    est.train(common.make_input_fn(), steps=3)
+    est.close()
+    assert not [p for p in quiet.rglob("events.out.tfevents.*")]
+    from hostreduce.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="save_summary_steps=-1"):
+        RunConfig(save_summary_steps=-1)

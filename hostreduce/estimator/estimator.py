@@ -3,6 +3,7 @@ of a hostreduce strategy."""
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -17,6 +18,7 @@ from .mode_keys import ModeKeys
 from .progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
 from .run_config import RunConfig
+from .summaries import SummaryWriter
 
 __all__ = ["Estimator"]
 
@@ -61,6 +63,10 @@ class Estimator:
         self._store = VariableStore(on_host=self._strategy.variables_on_host)
         self._timeline = Timeline(config.timeline_dir or timeline_dir_from_env(), rank=self._strategy.rank)
         self._checkpoints = CheckpointManager(config.model_dir, config.keep_checkpoint_max) if config.model_dir else None
+        summaries = config.model_dir if config.model_dir and config.save_summary_steps else None
+        self._summaries = SummaryWriter(summaries if self._strategy.is_chief else None)
+        self._eval_summaries = SummaryWriter(os.path.join(summaries, "eval") if summaries and self._strategy.is_chief
+                                             else None)
         self._programs: dict[str, Any] = {}
         self._excluded_keys: set[str] = set()
         self._global_step = 0
@@ -204,6 +210,8 @@ class Estimator:
         save_secs = config.save_checkpoints_secs if strategy.is_chief and self._checkpoints is not None else None
         timeout = config.collective_timeout_s
         window_start, window_examples = time.perf_counter(), 0
+        summary_every = config.save_summary_steps if config.model_dir else None
+        summary_start, summary_examples = time.perf_counter(), 0
         iterator = iter(dataset)
         loss = float("nan")
         while target is None or self._global_step < target:
@@ -220,6 +228,7 @@ class Estimator:
             self._global_step += 1
             step = self._global_step
             window_examples += _batch_size(features) * strategy.size
+            summary_examples += _batch_size(features) * strategy.size
             for hook in hooks or ():
                 hook(step, loss)
             if log_every and step % log_every == 0:
@@ -229,6 +238,12 @@ class Estimator:
                     progress("step %d: loss = %.5f (%.1f examples/s)", step, mean_loss,
                               window_examples / max(elapsed, 1e-9))
                 window_start, window_examples = time.perf_counter(), 0
+            if summary_every and step % summary_every == 0:
+                mean_loss = self._mean_across_workers("hostreduce.summary.loss", loss)
+                elapsed = max(time.perf_counter() - summary_start, 1e-9)
+                self._summaries.scalars(step, {"loss": mean_loss, "global_step/sec": summary_every / elapsed,
+                                               "examples/sec": summary_examples / elapsed})
+                summary_start, summary_examples = time.perf_counter(), 0
             if (save_every and step % save_every == 0) or (
                     save_secs is not None and time.monotonic() - self._last_save >= save_secs):
                 self._save()
@@ -304,6 +319,7 @@ class Estimator:
         for name, metric in keras_metrics.items():
             results[name] = float(np.asarray(metric.result()))
         results["global_step"] = self._global_step
+        self._eval_summaries.scalars(self._global_step, {k: v for k, v in results.items() if k != "global_step"})
         return results
 
     # -- predict ---------------------------------------------------------------
@@ -332,8 +348,10 @@ class Estimator:
                     yield out
 
     def close(self) -> None:
-        """Flush the timeline and release the strategy's reducer."""
+        """Flush the timeline and summaries and release the strategy's reducer."""
         self._timeline.flush()
+        self._summaries.close()
+        self._eval_summaries.close()
         self._strategy.close()
 
 

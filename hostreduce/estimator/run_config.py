@@ -26,7 +26,6 @@ _ONE_PROCESS = "hostreduce takes the cluster from the strategy (TF_CONFIG or mpi
 IGNORED_SETTINGS: Mapping[str, str] = {
     # tf.estimator.RunConfig
     "session_config": _TF1_SESSION,
-    "save_summary_steps": "no TensorBoard summaries are written (the chief logs loss and examples/s)",
     "session_creation_timeout_secs": _TF1_SESSION,
     "checkpoint_save_graph_def": "checkpoints hold variables only",
     "keep_checkpoint_every_n_hours": "only the newest `keep_checkpoint_max` checkpoints are kept",
@@ -142,6 +141,7 @@ class _Settings:
     stream_gradients: bool = True
     save_checkpoints_secs: float | None = None
     tf_random_seed: int | None = None
+    save_summary_steps: int | None = 100
 
 
 class RunConfig(_Settings):
@@ -169,6 +169,10 @@ class RunConfig(_Settings):
         tf_random_seed: seeds Python's, NumPy's, TensorFlow's and Keras's generators
             (as ``keras.utils.set_random_seed``) once, before ``model_fn`` is first
             traced, so initial weights and random ops repeat from run to run.
+        save_summary_steps: with a ``model_dir``, the chief writes TensorBoard scalars
+            every this many steps: ``loss`` (mean over workers), ``global_step/sec``
+            and ``examples/sec`` in ``model_dir``, and each ``evaluate`` result in
+            ``model_dir/eval``; None or 0 writes none.
 
     Settings that only tuned a TF1 session or an IPU/NPU device (see
     ``IGNORED_SETTINGS``) are accepted with one warning each; other unknown keywords
@@ -196,6 +200,9 @@ class RunConfig(_Settings):
     def _validate(self) -> None:
         _positive_int_or_none("save_checkpoints_steps", self.save_checkpoints_steps)
         _positive_int_or_none("log_step_count_steps", self.log_step_count_steps)
+        if self.save_summary_steps == 0:
+            object.__setattr__(self, "save_summary_steps", None)
+        _positive_int_or_none("save_summary_steps", self.save_summary_steps)
         if not isinstance(self.keep_checkpoint_max, int) or self.keep_checkpoint_max < 1:
             raise ConfigError(
                 f"`keep_checkpoint_max` must be an integer >= 1. Received: keep_checkpoint_max={self.keep_checkpoint_max!r}"
