@@ -145,7 +145,7 @@ def test_tensorboard_summaries_of_training_and_evaluation(tmp_path: Path) -> Non
     train = read_scalars(str(tmp_path))
     assert sorted(train) == ["examples/sec", "global_step/sec", "loss"]
     assert [step for step, _ in train["loss"]] == [3, 6, 9]
-    # One worker: the mean over workers is this worker's loss of that step.
+    # The chief's loss of that step.
     np.testing.assert_allclose([v for _, v in train["loss"]], [losses[2], losses[5], losses[8]], rtol=1e-6)
     assert all(v > 0 for _, v in train["examples/sec"] + train["global_step/sec"])
     evaluation = read_scalars(str(tmp_path / "eval"))

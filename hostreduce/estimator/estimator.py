@@ -239,9 +239,10 @@ class Estimator:
                               window_examples / max(elapsed, 1e-9))
                 window_start, window_examples = time.perf_counter(), 0
             if summary_every and step % summary_every == 0:
-                mean_loss = self._mean_across_workers("hostreduce.summary.loss", loss)
+                # The chief's own loss, as tf.estimator wrote it: no collective, so workers
+                # need not agree on model_dir (a script may give it to the chief alone).
                 elapsed = max(time.perf_counter() - summary_start, 1e-9)
-                self._summaries.scalars(step, {"loss": mean_loss, "global_step/sec": summary_every / elapsed,
+                self._summaries.scalars(step, {"loss": loss, "global_step/sec": summary_every / elapsed,
                                                "examples/sec": summary_examples / elapsed})
                 summary_start, summary_examples = time.perf_counter(), 0
             if (save_every and step % save_every == 0) or (

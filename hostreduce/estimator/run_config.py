@@ -170,7 +170,7 @@ class RunConfig(_Settings):
             (as ``keras.utils.set_random_seed``) once, before ``model_fn`` is first
             traced, so initial weights and random ops repeat from run to run.
         save_summary_steps: with a ``model_dir``, the chief writes TensorBoard scalars
-            every this many steps: ``loss`` (mean over workers), ``global_step/sec``
+            every this many steps: ``loss`` (the chief's batch), ``global_step/sec``
             and ``examples/sec`` in ``model_dir``, and each ``evaluate`` result in
             ``model_dir/eval``; None or 0 writes none.
 
