@@ -22,7 +22,7 @@ def _check_rank(events: list[dict], rank: int) -> None:
     reductions = [e for e in spans if e["cat"] == "reduce" and e["name"].startswith("allreduce")]
     handoffs = [e for e in spans if e["cat"] == "handoff"]
     assert len(backward) == STEPS and len(reductions) == STEPS * 18 and len(handoffs) == STEPS * 18
-    assert {e["name"] for e in spans} >= {"forward", "backward", "host apply"}
+    assert {e["name"] for e in spans} >= {"forward", "backward", "wait and apply (per gradient)"}
     overlapped = 0
     for bwd in backward[1:]:  # the first step includes start-up work
         start, end = bwd["ts"], bwd["ts"] + bwd["dur"]

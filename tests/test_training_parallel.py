@@ -1,5 +1,7 @@
 """Data-parallel equivalence: N workers on a global batch B train exactly like one
-process on batch B (the ring under TF_CONFIG, and MPI under mpirun)."""
+process on batch B (the ring under TF_CONFIG, and MPI under mpirun), with the host
+applying each gradient as its reduction completes (the default) and applying all at
+once (``host_apply="once"``), which give the same bits."""
 from __future__ import annotations
 
 import os
@@ -18,6 +20,7 @@ pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 STEPS = 24
 OPTIMIZERS = ["sgd", "adam"]
+RUNS = OPTIMIZERS + [f"{opt}@once" for opt in OPTIMIZERS]
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +40,22 @@ def _assert_same(expected: dict[str, np.ndarray], got: dict[str, np.ndarray], wh
 def test_ring_two_workers_match_one_process(reference: dict) -> None:
     from hostreduce.testing import run_ranks
 
-    results = run_ranks(common.ring_rank, 2, args=(OPTIMIZERS, STEPS), timeout=150)
+    results = run_ranks(common.ring_rank, 2, args=(RUNS, STEPS), timeout=150)
     assert [r["uneven_steps"] for r in results] == [3, 3]  # workers agree to stop together
-    for opt in OPTIMIZERS:
-        assert int(results[0][opt]["adam/iteration" if opt == "adam" else "sgd/iteration"]) == STEPS
+    for run in RUNS:
+        opt = run.split("@")[0]
+        assert int(results[0][run]["adam/iteration" if opt == "adam" else "sgd/iteration"]) == STEPS
         for rank in range(2):
-            _assert_same(reference[opt], results[rank][opt], f"ring rank {rank} ({opt})")
+            _assert_same(reference[opt], results[rank][run], f"ring rank {rank} ({run})")
+    _assert_apply_once_is_identical(results[0])
+
+
+def _assert_apply_once_is_identical(runs: dict) -> None:
+    for opt in OPTIMIZERS:
+        per_gradient, once = runs[opt], runs[f"{opt}@once"]
+        for key in per_gradient:
+            if not key.startswith("__"):
+                np.testing.assert_array_equal(per_gradient[key], once[key], err_msg=f"{opt}: {key}")
 
 
 _MPI_SKIP = mpi_skip_reason()
@@ -54,11 +67,12 @@ def test_mpi_two_workers_match_one_process(reference: dict, tmp_path: Path) -> N
     from mpi_launch import run_mpi
 
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "HOSTREDUCE_SECRET")}
-    code, out = run_mpi("mpi", 2, str(Path(common.__file__)), ",".join(OPTIMIZERS), str(STEPS), str(tmp_path),
+    code, out = run_mpi("mpi", 2, str(Path(common.__file__)), ",".join(RUNS), str(STEPS), str(tmp_path),
                         timeout=200, env=env)
     assert code == 0, out
-    for opt in OPTIMIZERS:
+    for run in RUNS:
         for rank in range(2):
-            assert f"OK {opt} rank {rank}/2" in out, out
-            _assert_same(reference[opt], common.load_result(str(tmp_path / f"{opt}-rank{rank}.npz")),
-                         f"mpi rank {rank} ({opt})")
+            assert f"OK {run} rank {rank}/2" in out, out
+            _assert_same(reference[run.split("@")[0]], common.load_result(str(tmp_path / f"{run}-rank{rank}.npz")),
+                         f"mpi rank {rank} ({run})")
+    _assert_apply_once_is_identical({run: common.load_result(str(tmp_path / f"{run}-rank0.npz")) for run in RUNS})

@@ -118,7 +118,7 @@ class Estimator:
             self._seeded = True
         if mode == ModeKeys.TRAIN:
             program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply,
-                                   stream_gradients=self.config.stream_gradients)
+                                   stream_gradients=self.config.stream_gradients, host_apply=self.config.host_apply)
         elif mode == ModeKeys.EVAL:
             program = EvalProgram(*args)
             for metric in program.keras_metrics().values():

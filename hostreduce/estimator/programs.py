@@ -127,15 +127,21 @@ class TrainProgram(_ProgramBase):
         fused_apply: route Keras SGD/Adam updates inside ``host_call`` to fused kernels.
         stream_gradients: start each reduction as its gradient is produced (False:
             all of them after the backward pass).
+        host_apply: ``"per_gradient"``: the host program waits for each reduction in
+            its own op, so each variable's update runs as soon as its gradient is
+            reduced, while the other reductions go on; ``"once"``: wait for all, then
+            run ``host_call`` once.
     """
 
     mode = ModeKeys.TRAIN
 
-    def __init__(self, *args: Any, strategy: Any, fused_apply: bool = True, stream_gradients: bool = True) -> None:
+    def __init__(self, *args: Any, strategy: Any, fused_apply: bool = True, stream_gradients: bool = True,
+                 host_apply: str = "per_gradient") -> None:
         super().__init__(*args)
         self.strategy = strategy
         self.fused_apply = fused_apply
         self.stream_gradients = stream_gradients
+        self.per_gradient = host_apply == "per_gradient"
         self.exchange: HostCallExchange | None = None
         self.host_function: Any = None
         self._host_fn: Callable[..., Any] | None = None
@@ -196,15 +202,18 @@ class TrainProgram(_ProgramBase):
         import tensorflow as tf
 
         assert self.exchange is not None
-        specs = [tf.TensorSpec(b.shape, tf.as_dtype(b.dtype)) for b in self.exchange.buffers]
+        exchange = self.exchange
+        specs = [tf.TensorSpec(b.shape, tf.as_dtype(b.dtype)) for b in exchange.buffers]
         device = tf.device("/CPU:0") if self.strategy.variables_on_host else contextlib.nullcontext()
 
         def host_step(*tensors: Any) -> Any:
+            if self.per_gradient:
+                tensors = tuple(exchange.wait_ops())
             with device, self.store.scope(), fused_optimizer_scope(self.fused_apply), tf1_optimizer_scope(HOST_CALL):
                 self._host_fn(*tensors)  # type: ignore[misc]
             return tf.constant(0)
 
-        function = tf.function(host_step, input_signature=specs, autograph=False)
+        function = tf.function(host_step, input_signature=[] if self.per_gradient else specs, autograph=False)
         self.store.adopt(function.get_concrete_function().variables)
         return function
 
@@ -219,9 +228,20 @@ class TrainProgram(_ProgramBase):
             t0 = times.get("start", start)
             timeline.span("forward", t0, times.get("forward", end_device), "compute")
             timeline.span("backward", times.get("forward", end_device), times.get("backward", end_device), "compute")
-        if self.exchange is not None:
+        exchange = self.exchange
+        if exchange is not None and self.per_gradient:
+            exchange.start_deferred()
+            exchange.timeout, exchange.failure = timeout, None
+            with timeline.scope("wait and apply (per gradient)", "apply"):
+                try:
+                    self.host_function()
+                except Exception:
+                    if exchange.failure is not None:  # the hostreduce error, not TensorFlow's wrapper
+                        raise exchange.failure from None
+                    raise
+        elif exchange is not None:
             with timeline.scope("wait for reductions", "reduce"):
-                buffers = self.exchange.wait(timeout)
+                buffers = exchange.wait(timeout)
             with timeline.scope("host apply", "apply"):
                 self.host_function(*buffers)
         return float(outputs["loss"])

@@ -128,6 +128,9 @@ def _positive_int_or_none(name: str, value: Any) -> None:
         raise ConfigError(f"`{name}` must be an integer >= 1 or None. Received: {name}={value!r}")
 
 
+HOST_APPLY_MODES = ("per_gradient", "once")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     train_distribute: Any = None
@@ -142,6 +145,7 @@ class _Settings:
     save_checkpoints_secs: float | None = None
     tf_random_seed: int | None = None
     save_summary_steps: int | None = 100
+    host_apply: str = "per_gradient"
 
 
 class RunConfig(_Settings):
@@ -169,6 +173,11 @@ class RunConfig(_Settings):
         tf_random_seed: seeds Python's, NumPy's, TensorFlow's and Keras's generators
             (as ``keras.utils.set_random_seed``) once, before ``model_fn`` is first
             traced, so initial weights and random ops repeat from run to run.
+        host_apply: ``"per_gradient"`` (default): the host program waits for each
+            reduction in its own op, so each variable's update (its ``host_call``
+            ``apply_gradients``) runs as soon as its gradient is reduced, while the
+            other reductions continue; the iteration counter still advances once per
+            step. ``"once"``: wait for every reduction, then run ``host_call`` once.
         save_summary_steps: with a ``model_dir``, the chief writes TensorBoard scalars
             every this many steps: ``loss`` (the chief's batch), ``global_step/sec``
             and ``examples/sec`` in ``model_dir``, and each ``evaluate`` result in
@@ -217,6 +226,8 @@ class RunConfig(_Settings):
             object.__setattr__(self, "model_dir", str(self.model_dir))
         if self.timeline_dir is not None and not isinstance(self.timeline_dir, str):
             object.__setattr__(self, "timeline_dir", str(self.timeline_dir))
+        if self.host_apply not in HOST_APPLY_MODES:
+            raise ConfigError(f"`host_apply` must be one of {HOST_APPLY_MODES}. Received: host_apply={self.host_apply!r}")
         if not isinstance(self.stream_gradients, bool):
             raise ConfigError(
                 f"`stream_gradients` must be a bool. Received: stream_gradients={self.stream_gradients!r}"

@@ -13,8 +13,10 @@ Two faces share these ops:
   depend on every hand-off of their group, so no TensorFlow thread blocks in a wait
   while a tensor of the group still has to be handed off (blocked threads could
   otherwise starve the backward pass that would produce it).
-* :class:`HostCallExchange` (the Estimator): hand-off ops only; the host waits for the
-  results after the device program returns and applies them itself.
+* :class:`HostCallExchange` (the Estimator): hand-off ops in the device program; the
+  host program then either waits for every result and applies them at once, or has a
+  wait op per tensor (:meth:`HostCallExchange.wait_ops`), so that each variable's
+  update runs as soon as its own reduction is done.
 
 Ordering. Engines that negotiate (the ring) accept tensors in any order, so a group's
 hand-off ops are unordered. Engines that need the same submission order on every rank
@@ -170,6 +172,8 @@ class HostCallExchange:
         self.slots = [Slot(Collective("allreduce", names[i], "mean", label=labels[i]), self.channel, i, shape, dtype)
                       for i, (shape, dtype) in enumerate(specs)]
         self.defer = defer
+        self.timeout: float | None = None
+        self.failure: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -198,9 +202,45 @@ class HostCallExchange:
         """
         return handoff_ops(self.slots, tensors, stateful=self.channel.ordered, defer=self.defer)
 
-    def wait(self, timeout: float | None = None) -> list[np.ndarray]:
-        """Block until every reduction of this step is done; return the buffers."""
+    def start_deferred(self) -> None:
+        """Submit the reductions held back by ``defer`` (fixed reverse order)."""
         if self.defer:
             for slot in reversed(self.slots):
                 slot.start(None)
+
+    def wait(self, timeout: float | None = None) -> list[np.ndarray]:
+        """Block until every reduction of this step is done; return the buffers."""
+        self.start_deferred()
         return [slot.wait(timeout) for slot in self.slots]
+
+    def wait_ops(self) -> list[Any]:
+        """Add a wait op per tensor to the graph being traced; return their results.
+
+        Each op blocks until its tensor's reduction is done (within ``self.timeout``)
+        and returns the reduced value, so whatever reads only that value (one
+        variable's update) runs while later reductions are still on the wire. The ops
+        are stateful, so ``tf.function`` runs them in creation order: last tensor
+        first, the order the reductions were submitted in. A hostreduce error in a wait
+        is kept in ``self.failure`` (TensorFlow reports it as its own error type).
+        """
+        import tensorflow as tf
+
+        results: list[Any] = [None] * len(self.slots)
+        for i in range(len(self.slots) - 1, -1, -1):
+            slot = self.slots[i]
+            out = tf.numpy_function(self._wait_one(slot), [], tf.as_dtype(slot.buffer.dtype), stateful=True,
+                                    name=f"hostreduce_wait_{i}")
+            out.set_shape(slot.buffer.shape)
+            results[i] = out
+        return results
+
+    def _wait_one(self, slot: Slot) -> Callable[[], np.ndarray]:
+        @_plain
+        def wait() -> np.ndarray:
+            try:
+                return slot.wait(self.timeout)
+            except BaseException as exc:
+                self.failure = self.failure or exc
+                raise
+
+        return wait

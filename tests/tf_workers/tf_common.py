@@ -87,14 +87,16 @@ def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | No
                   save_every: int | None = None, kill_at: int | None = None, global_batch: int = GLOBAL_BATCH,
                   timeline_dir: str | None = None, depth: int = 2, n: int = 512) -> dict[str, np.ndarray]:
     """Train ``steps`` steps; return every variable. ``kill_at`` ends the process hard
-    right after that step (after its checkpoint, if one is due)."""
+    right after that step (after its checkpoint, if one is due). ``optimizer`` may end
+    in ``@once`` for ``RunConfig(host_apply="once")`` (default: per gradient)."""
     import keras
 
     from hostreduce.estimator import Estimator, RunConfig
 
+    optimizer, _, host_apply = optimizer.partition("@")
     keras.utils.set_random_seed(1234)  # rank 0's initial weights equal the reference run's
     config = RunConfig(train_distribute=strategy, model_dir=model_dir, save_checkpoints_steps=save_every,
-                       log_step_count_steps=None, timeline_dir=timeline_dir)
+                       log_step_count_steps=None, timeline_dir=timeline_dir, host_apply=host_apply or "per_gradient")
     est = Estimator(mlp_model_fn, config=config, params={"optimizer": optimizer, "depth": depth})
     ran = []
     hooks = [lambda step, loss: ran.append(step)]
