@@ -7,13 +7,18 @@
 
 One model (an MLP of 9 dense layers, 4.5M parameters, 17.3 MiB of float32 gradients in
 18 tensors), the same synthetic data and global batch, trained by the Estimator with
-hostreduce's ring in two schedules, in the same worker processes, alternating:
+hostreduce's ring in three schedules, in the same worker processes, alternating:
 
-* sequential: ``RunConfig(stream_gradients=False)``: the whole backward pass, then the
-  all-reduce of every gradient at once (fused by the ring), then the host apply;
-* streamed: hostreduce's default: each gradient is handed to the reducer as the backward
-  pass produces it, so the reductions of the last layers overlap the backward pass of
-  the first ones.
+* sequential: ``RunConfig(stream_gradients=False, host_apply="once")``: the whole
+  backward pass, then the all-reduce of every gradient at once (fused by the ring),
+  then the host apply;
+* apply-once: ``RunConfig(host_apply="once")``: each gradient is handed to the reducer
+  as the backward pass produces it, so the reductions of the last layers overlap the
+  backward pass of the first ones; the host applies every update after the last
+  reduction;
+* streamed: hostreduce's default: streamed hand-off as in apply-once, and each
+  variable's update runs on the host as soon as its own reduction is done
+  (``host_apply="per_gradient"``), overlapping the reductions still on the wire.
 
 For each N and network the workers also time the all-reduce of the full gradient set
 alone (no compute): ``T_reduction``. With ``T_compute`` = the sequential step minus its
@@ -59,7 +64,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks._common` impo
 from benchmarks import _common as C  # noqa: E402
 from benchmarks import netcluster as NC  # noqa: E402
 
-MODES = ("sequential", "streamed")
+MODES = ("sequential", "apply-once", "streamed")
 DEFAULT_NP = [2, 4]
 DEFAULT_NETWORKS = ["loopback", "1gbit", "10gbit"]
 RING_PORT = 29500
@@ -122,7 +127,7 @@ def _step_breakdown(path: Path) -> list[dict]:
         if not steps:
             continue
         key = {"forward": "forward_ms", "backward": "backward_ms", "wait for reductions": "reduce_wait_ms",
-               "host apply": "apply_ms"}.get(name)
+               "host apply": "apply_ms", "wait and apply (per gradient)": "reduce_wait_ms"}.get(name)
         if key:
             steps[-1][key] = round(e["dur"] / 1e3, 3)
             steps[-1]["end_us"] = e["ts"] + e["dur"]
@@ -176,7 +181,8 @@ def worker_main(args: argparse.Namespace) -> int:
             keras.utils.set_random_seed(1)
             config = RunConfig(train_distribute=strategy, log_step_count_steps=None,
                                timeline_dir=str(workdir / f"timeline-{mode}"),
-                               stream_gradients=(mode == "streamed"))
+                               stream_gradients=(mode != "sequential"),
+                               host_apply="per_gradient" if mode == "streamed" else "once")
             estimators[mode] = Estimator(_model_fn, config=config, params=params)
         input_fn = _input_fn(plan)
         out = open(workdir / f"rank{rank}.jsonl", "a")
@@ -375,7 +381,7 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
     reps = min(len(a["reduce_ms"]) for a in alone.values())
     slowest = [max(alone[r]["reduce_ms"][i] for r in alone) for i in range(reps)]
     t_red = statistics.median(slowest)
-    t_seq, t_str = row["sequential"]["step_ms"], row["streamed"]["step_ms"]
+    t_seq, t_str, t_once = row["sequential"]["step_ms"], row["streamed"]["step_ms"], row["apply-once"]["step_ms"]
     t_compute = t_seq - row["sequential"]["reduce_wait_ms"]
     nbytes = next(iter(alone.values()))["bytes"]
     row.update(
@@ -385,6 +391,7 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
         hidden_fraction=round((t_seq - t_str) / t_red, 4),
         streamed_over_bound=round(t_str / max(t_compute, t_red), 4),
         sequential_over_streamed=round(t_seq / t_str, 4),
+        apply_once_over_streamed=round(t_once / t_str, 4),
         backward_slowdown_streamed=round(row["streamed"]["backward_ms"] / max(row["sequential"]["backward_ms"], 1e-9), 4),
     )
     cpu = [statistics.median(a.get("reduce_cpu_ms") or [0.0]) for a in alone.values()]
@@ -487,19 +494,23 @@ def _row_of(span: dict) -> str:
 def _print_tables(rows: list[dict]) -> None:
     print("\nstep = slowest rank's median step (ms); fwd/bwd/wait/apply: median spans from the timeline (ms);"
           "\nT_red = full gradient set all-reduced alone; T_comp = sequential step minus its reduction phase;"
+          "\nT_once = streamed hand-off, host apply after the last reduction; T_str = streamed hand-off and per-gradient"
+          " apply (the default), whose 'wait' also holds the applies;"
           "\nhidden = (T_seq - T_str) / T_red; ratio = T_str / max(T_comp, T_red);"
           "\ncpu = CPU time of one worker's reduction alone; bound = 1 - cpu * max(1, N/cores) / T_red, the hidden"
           "\nfraction possible when the compute already fills every core")
     head = (f"{'network':>9} {'N':>2} | {'T_seq':>7} {'fwd':>6} {'bwd':>6} {'wait':>6} {'apply':>5} | "
-            f"{'T_str':>7} {'fwd':>6} {'bwd':>6} {'wait':>6} | {'T_red':>7} {'T_comp':>7} | {'hidden':>6} {'ratio':>6}"
+            f"{'T_once':>7} {'apply':>5} | {'T_str':>7} {'fwd':>6} {'bwd':>6} {'wait':>6} | {'once/str':>8} | {'T_red':>7} {'T_comp':>7} | {'hidden':>6} {'ratio':>6}"
             f" | {'cpu':>6} {'bound':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        s, t = r["sequential"], r["streamed"]
+        s, o, t = r["sequential"], r["apply-once"], r["streamed"]
         print(f"{r['network']:>9} {r['np']:>2} | {s['step_ms']:>7.1f} {s['forward_ms']:>6.1f} {s['backward_ms']:>6.1f} "
-              f"{s['reduce_wait_ms']:>6.1f} {s['apply_ms']:>5.1f} | {t['step_ms']:>7.1f} {t['forward_ms']:>6.1f} "
-              f"{t['backward_ms']:>6.1f} {t['reduce_wait_ms']:>6.1f} | {r['reduction_ms']:>7.1f} "
+              f"{s['reduce_wait_ms']:>6.1f} {s['apply_ms']:>5.1f} | {o['step_ms']:>7.1f} {o['apply_ms']:>5.1f} | "
+              f"{t['step_ms']:>7.1f} {t['forward_ms']:>6.1f} "
+              f"{t['backward_ms']:>6.1f} {t['reduce_wait_ms']:>6.1f} | {r['apply_once_over_streamed']:>8.3f} | "
+              f"{r['reduction_ms']:>7.1f} "
               f"{r['compute_ms']:>7.1f} | {r['hidden_fraction']:>6.3f} {r['streamed_over_bound']:>6.3f}"
               f" | {r.get('reduction_cpu_ms', float('nan')):>6.1f} {r.get('hidden_fraction_cpu_bound', float('nan')):>6.3f}")
 
@@ -540,7 +551,9 @@ def _plot_rates(path: Path, rows: list[dict]) -> None:
             return [fn(by[networks[i]]) for i in xs]
 
         ax.plot(xs, ys(lambda r: r["sequential"]["step_ms"]), marker="o", label="sequential step")
-        ax.plot(xs, ys(lambda r: r["streamed"]["step_ms"]), marker="o", label="streamed step (hostreduce)")
+        ax.plot(xs, ys(lambda r: r["apply-once"]["step_ms"]), marker="o", label="streamed, apply once")
+        ax.plot(xs, ys(lambda r: r["streamed"]["step_ms"]), marker="o",
+                label="streamed, per-gradient apply (hostreduce default)")
         ax.plot(xs, ys(lambda r: r["compute_ms"]), ls="--", marker=".", color="gray", label="T_compute")
         ax.plot(xs, ys(lambda r: r["reduction_ms"]), ls=":", marker=".", color="black",
                 label="T_reduction (alone)")
@@ -556,7 +569,8 @@ def _plot_rates(path: Path, rows: list[dict]) -> None:
         ax.set_ylabel("ms per step")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Step time against link rate: sequential vs streamed reduction (lower is better)")
+    fig.suptitle("Step time against link rate: sequential, streamed with one apply, streamed with per-gradient apply "
+                 "(lower is better)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -576,7 +590,7 @@ def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
 
     n = row["np"]
     sub_rows = ["compute", "hand-off", "reduce", "apply"]
-    fig, axes = plt.subplots(2, 1, figsize=(13, 1.2 + 0.9 * n * 2), sharex=True)
+    fig, axes = plt.subplots(len(MODES), 1, figsize=(13, 1.2 + 0.9 * n * len(MODES)), sharex=True)
     xmax = 0.0
     for ax, mode in zip(axes, MODES):
         info = timeline[mode]
@@ -671,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "overlap",
         "description": "MLP 512-768x8-10 (4.5M float32 parameters, 18 gradient tensors), Adam on the host; "
-                       "Estimator + hostreduce ring; sequential (stream_gradients=False) vs streamed schedule, "
+                       "Estimator + hostreduce ring; sequential (stream_gradients=False), streamed with the host "
+                       "apply after the last reduction (host_apply='once') and streamed with per-gradient apply, "
                        "alternating in the same workers; full gradient set all-reduced alone for T_reduction",
         "environment": C.environment(packages=("grpcio", "tensorflow", "keras"),
                                      extra={"load_wait": quiet, "namespaces_usable": usable,
@@ -684,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                      "definitions": {
                          "step_ms": "slowest rank's median of timed steps (first step of each train() call dropped)",
                          "compute_ms": "sequential step - its reduction phase (submit + wait)",
+                         "apply_once_over_streamed": "T_apply_once / T_streamed: what applying each gradient as "
+                                                     "its reduction completes saves over one apply per step",
                          "reduction_ms": "median over repetitions of the slowest rank's all-reduce of every "
                                          "gradient tensor, all submitted at once, no compute",
                          "hidden_fraction": "(T_sequential - T_streamed) / T_reduction",
