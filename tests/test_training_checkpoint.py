@@ -57,7 +57,8 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 17, proc.stdout + proc.stderr
     assert [s for s, _ in CheckpointManager(str(killed)).checkpoints()] == [4, 8]
-    # 4 batches per epoch: resuming at step 8 restarts the data where the first run was.
+    # The checkpoint of step 8 holds the input's position: the resumed run goes on from it.
+    assert CheckpointManager(str(killed)).load_inputs(str(killed / "ckpt-000000008"))[0]
     resumed = common.train_weights(None, "adam", 16, model_dir=str(killed), save_every=4, n=64)
     straight = common.train_weights(None, "adam", 16, model_dir=str(tmp_path / "straight"), save_every=4, n=64)
     assert int(resumed.pop("__steps_run__")) == 8 and int(straight.pop("__steps_run__")) == 16

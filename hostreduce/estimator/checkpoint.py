@@ -1,10 +1,29 @@
-"""Atomic checkpoints of the training state in ``model_dir``.
+"""Atomic checkpoints of the training state in ``model_dir``, in TensorFlow's format.
 
-A checkpoint is a directory ``ckpt-<step>`` holding ``variables.npz`` and ``meta.json``.
-It is written under a temporary name, every file and the directory are fsynced, and
-only then is it renamed into place, so a crash at any moment leaves the previous
-checkpoints intact and never exposes a half-written one. Only the newest
-``keep_checkpoint_max`` are kept.
+Layout of ``model_dir``::
+
+    checkpoint                       TensorFlow's index: the latest and the kept checkpoints
+    ckpt-000000008/
+        variables.index              the variables, a TensorFlow checkpoint (TensorBundle)
+        variables.data-00000-of-00001
+        checkpoint                   index of this directory alone ("variables")
+        input-rank0.index, ...       each worker's input position, a tf.train.Checkpoint
+        input-rank0.data-...           of its iterator (``tf.train.Checkpoint(iterator=it)``)
+        meta.json                    step, world size, what was saved
+
+The variables file is name-based, like the checkpoints ``tf.compat.v1.train.Saver`` and
+``tf.estimator`` wrote: ``tf.train.load_checkpoint`` and ``tf.train.list_variables``
+read it from the directory, from the prefix ``ckpt-N/variables`` or from ``model_dir``.
+Each variable is stored under its Estimator name (``Estimator.get_variable_names()``),
+the Estimator's step under ``hostreduce/global_step`` (int64).
+
+A checkpoint is written under a temporary name, every file and the directory are
+fsynced, and only then is the directory renamed into place; the ``checkpoint`` index is
+replaced after that, and old checkpoints are pruned last. A crash at any moment leaves
+the previous checkpoint complete and indexed, and never exposes a half-written one.
+Only the newest ``keep_checkpoint_max`` are kept.
+
+Checkpoints of the earlier format (``variables.npz``) still load, without input state.
 """
 from __future__ import annotations
 
@@ -19,13 +38,17 @@ import numpy as np
 
 from ..errors import HostReduceError
 
-__all__ = ["CheckpointManager", "CheckpointError"]
+__all__ = ["CheckpointManager", "CheckpointError", "GLOBAL_STEP"]
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
+_INPUT = re.compile(r"^input-rank(\d+)(\..+)$")
 _TMP_PREFIX = ".tmp-ckpt-"
-_VARIABLES = "variables.npz"
+_VARIABLES = "variables"
+_NPZ = "variables.npz"  # format 1
 _META = "meta.json"
-FORMAT_VERSION = 1
+_INDEX = "checkpoint"
+FORMAT_VERSION = 2
+GLOBAL_STEP = "hostreduce/global_step"
 
 
 class CheckpointError(HostReduceError):
@@ -38,6 +61,33 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _index_text(latest: str, kept: list[str]) -> bytes:
+    """TensorFlow's ``CheckpointState`` text proto (paths relative to its directory)."""
+    lines = [f"model_checkpoint_path: {json.dumps(latest)}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(p)}" for p in kept]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _write_index(directory: str, latest: str, kept: list[str]) -> None:
+    """Replace ``directory/checkpoint`` atomically."""
+    tmp = os.path.join(directory, f".{_INDEX}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        _write_synced(tmp, _index_text(latest, kept))
+        os.replace(tmp, os.path.join(directory, _INDEX))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_path(directory)
 
 
 class CheckpointManager:
@@ -65,8 +115,30 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> str:
-        """Write the checkpoint of ``step`` atomically; return its path."""
+    def find(self, step: int) -> str | None:
+        """The path of the complete checkpoint of ``step``, if there is one."""
+        path = os.path.join(self.model_dir, f"ckpt-{step:09d}")
+        return path if os.path.isfile(os.path.join(path, _META)) else None
+
+    @staticmethod
+    def prefix(path: str) -> str:
+        """What ``tf.train.Checkpoint`` and ``tf.train.load_checkpoint`` call the
+        checkpoint in directory ``path`` (the directory itself for the npz format)."""
+        return os.path.join(path, _VARIABLES) if os.path.isfile(os.path.join(path, _VARIABLES + ".index")) else path
+
+    def save(self, step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
+             inputs: Mapping[int, Mapping[str, bytes]] | None = None) -> str:
+        """Write the checkpoint of ``step`` atomically; return its directory.
+
+        Args:
+            step: the global step.
+            arrays: variable values by name.
+            meta: extra JSON-serializable entries for ``meta.json``.
+            inputs: each rank's input position: ``{rank: {suffix: file contents}}``, as
+                :func:`hostreduce.estimator.input_state.save_iterator` returns them.
+        """
+        if GLOBAL_STEP in arrays:
+            raise CheckpointError(f"`arrays` must not hold the reserved name {GLOBAL_STEP!r}")
         os.makedirs(self.model_dir, exist_ok=True)
         final = os.path.join(self.model_dir, f"ckpt-{step:09d}")
         if os.path.isdir(final):
@@ -75,40 +147,68 @@ class CheckpointManager:
         tmp = os.path.join(self.model_dir, f"{_TMP_PREFIX}{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.mkdir(tmp)
         try:
-            keys = list(arrays)
-            with open(os.path.join(tmp, _VARIABLES), "wb") as f:
-                np.savez(f, **{f"a{i}": np.asarray(arrays[k]) for i, k in enumerate(keys)})
-                f.flush()
-                os.fsync(f.fileno())
-            info = {"format": FORMAT_VERSION, "step": int(step), "keys": keys, **dict(meta or {})}
-            with open(os.path.join(tmp, _META), "w") as f:
-                json.dump(info, f)
-                f.flush()
-                os.fsync(f.fileno())
+            names = list(arrays)
+            _save_tensors(os.path.join(tmp, _VARIABLES), {GLOBAL_STEP: np.int64(step), **arrays})
+            for rank, files in sorted((inputs or {}).items()):
+                for suffix, data in files.items():
+                    if not suffix.startswith(".") or "/" in suffix or os.sep in suffix:
+                        raise CheckpointError(f"Input state of rank {rank}: invalid file suffix {suffix!r}")
+                    _write_synced(os.path.join(tmp, f"input-rank{int(rank)}{suffix}"), data)
+            _write_synced(os.path.join(tmp, _INDEX), _index_text(_VARIABLES, [_VARIABLES]))
+            info = {"format": FORMAT_VERSION, "step": int(step), "names": names,
+                    "input_ranks": sorted(int(r) for r in (inputs or {})), **dict(meta or {})}
+            _write_synced(os.path.join(tmp, _META), json.dumps(info).encode())
+            for name in os.listdir(tmp):
+                _fsync_path(os.path.join(tmp, name))
             _fsync_path(tmp)
             os.rename(tmp, final)
             _fsync_path(self.model_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        found = self.checkpoints()
+        kept = found[max(len(found) - self.keep_checkpoint_max, 0):]
+        latest = os.path.basename(kept[-1][1])
+        _write_index(self.model_dir, f"{latest}/{_VARIABLES}",
+                     [f"{os.path.basename(p)}/{_VARIABLES}" for _, p in kept])
         self._prune()
         return final
 
     def load(self, path: str | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
-        """``(step, arrays, meta)`` of ``path`` (default: the latest checkpoint)."""
+        """``(step, arrays, meta)`` of the checkpoint in directory ``path`` (default:
+        the latest checkpoint). ``arrays`` holds the variables only."""
         if path is None:
             latest = self.latest()
             if latest is None:
                 raise CheckpointError(f"No checkpoint in model_dir={self.model_dir!r}")
             path = latest[1]
+        meta_path = os.path.join(path, _META)
         try:
-            with open(os.path.join(path, _META)) as f:
+            with open(meta_path) as f:
                 meta = json.load(f)
-            with np.load(os.path.join(path, _VARIABLES)) as data:
-                arrays = {k: data[f"a{i}"] for i, k in enumerate(meta["keys"])}
+            if int(meta.get("format", 1)) == 1:
+                with np.load(os.path.join(path, _NPZ)) as data:
+                    arrays = {k: data[f"a{i}"] for i, k in enumerate(meta["keys"])}
+            else:
+                arrays = _load_tensors(os.path.join(path, _VARIABLES), meta["names"])
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"Checkpoint {path!r} cannot be read: {exc}") from exc
+        except Exception as exc:  # TensorFlow's reader errors (NotFoundError, DataLossError, ...)
+            raise CheckpointError(f"Checkpoint {path!r} cannot be read: {type(exc).__name__}: {exc}") from exc
         return int(meta["step"]), arrays, meta
+
+    def load_inputs(self, path: str) -> dict[int, dict[str, bytes]]:
+        """Each rank's input position saved in checkpoint directory ``path``, by rank."""
+        found: dict[int, dict[str, bytes]] = {}
+        try:
+            for name in sorted(os.listdir(path)):
+                match = _INPUT.match(name)
+                if match:
+                    with open(os.path.join(path, name), "rb") as f:
+                        found.setdefault(int(match.group(1)), {})[match.group(2)] = f.read()
+        except OSError as exc:
+            raise CheckpointError(f"Checkpoint {path!r} cannot be read: {exc}") from exc
+        return found
 
     def _prune(self) -> None:
         found = self.checkpoints()
@@ -119,3 +219,20 @@ class CheckpointManager:
         for name in os.listdir(self.model_dir):
             if name.startswith(_TMP_PREFIX):
                 shutil.rmtree(os.path.join(self.model_dir, name), ignore_errors=True)
+
+
+def _save_tensors(prefix: str, arrays: Mapping[str, Any]) -> None:
+    """A name-based TensorFlow checkpoint at ``prefix`` (``SaveV2``, as ``tf.compat.v1.train.Saver``)."""
+    import tensorflow as tf
+
+    names = list(arrays)
+    with tf.device("/CPU:0"):
+        tensors = [tf.convert_to_tensor(np.asarray(arrays[n])) for n in names]
+        tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+
+
+def _load_tensors(prefix: str, names: list[str]) -> dict[str, np.ndarray]:
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(prefix)
+    return {name: np.asarray(reader.get_tensor(name)) for name in names}

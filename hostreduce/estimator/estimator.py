@@ -13,9 +13,11 @@ from ..errors import ConfigError
 from ..host.variables import VariableStore
 from ..timeline import Timeline, timeline_dir_from_env
 from .checkpoint import CheckpointManager
+from .export import features_spec, write_saved_model
+from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
 from .inputs import call_input_fn, check_model_fn, split_element
 from .mode_keys import ModeKeys
-from .progress import progress
+from .progress import logger, progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
 from .run_config import RunConfig
 from .summaries import SummaryWriter
@@ -73,6 +75,10 @@ class Estimator:
         self._step_synced = False
         self._last_save = time.monotonic()
         self._seeded = False
+        self._iterator: Any = None  # train()'s input while it runs: checkpoints save its position
+        self._chief_saves = False  # whether the chief writes checkpoints in this train() call
+        self._input_warned = False
+        self._features_spec: Any = None  # of the last input_fn, for export_saved_model
 
     # -- properties ------------------------------------------------------------
     @property
@@ -101,13 +107,16 @@ class Estimator:
         return {k: v.numpy() for k, v in self._store.items() if k not in self._excluded_keys}
 
     def latest_checkpoint(self) -> str | None:
+        """The prefix of the latest checkpoint in ``model_dir`` (``.../ckpt-N/variables``,
+        what ``tf.train.latest_checkpoint(model_dir)`` returns), or None."""
         latest = self._checkpoints.latest() if self._checkpoints else None
-        return latest[1] if latest else None
+        return CheckpointManager.prefix(latest[1]) if latest else None
 
     # -- building --------------------------------------------------------------
     def _program(self, mode: str, element_spec: Any) -> Any:
         from .programs import relaxed_signature
 
+        self._features_spec = relaxed_signature(element_spec)[0]
         signature = repr(relaxed_signature(element_spec))
         cached = self._programs.get(mode)
         if cached is not None and cached[0] == signature:
@@ -135,19 +144,10 @@ class Estimator:
         latest checkpoint's where it has them, then the chief's everywhere."""
         strategy = self._strategy
         new = [(k, v) for k, v in self._store.unsynced() if k not in self._excluded_keys]
-        if strategy.is_chief and self._checkpoints is not None:
-            latest = self._checkpoints.latest()
-            if latest is not None:
-                step, arrays, _ = self._checkpoints.load(latest[1])
-                restored = 0
-                for key, var in new:
-                    if key in arrays:
-                        var.assign(arrays[key])
-                        restored += 1
-                if not self._step_synced:
-                    self._global_step = step
-                if restored:
-                    progress("Restored %d variables from %s (step %d)", restored, latest[1], step)
+        if strategy.is_chief:
+            step = self._restore_latest(new)
+            if step is not None and not self._step_synced:
+                self._global_step = step
         if strategy.size > 1:
             reducer = strategy.reducer
             if not self._step_synced:
@@ -160,18 +160,115 @@ class Estimator:
         self._step_synced = True
         self._store.mark_synced(k for k, _ in self._store.unsynced())
 
+    def _restore_latest(self, variables: list[tuple[str, Any]]) -> int | None:
+        """Assign ``variables`` their values in the latest checkpoint, where it has them
+        (no collective); return its step, or None without a checkpoint."""
+        latest = self._checkpoints.latest() if self._checkpoints is not None else None
+        if latest is None:
+            return None
+        step, arrays, _ = self._checkpoints.load(latest[1])  # type: ignore[union-attr]
+        restored = 0
+        for key, var in variables:
+            if key in arrays:
+                var.assign(arrays[key])
+                restored += 1
+        if restored:
+            progress("Restored %d variables from %s (step %d)", restored, latest[1], step)
+        return step
+
     def _dataset(self, input_fn: Callable[..., Any], mode: str) -> Any:
         dataset = call_input_fn(input_fn, mode, self._strategy.input_context(), self.params, self.config)
         return _without_autotune_thread(dataset)
 
     # -- checkpoints -----------------------------------------------------------
-    def _save(self) -> None:
-        if self._checkpoints is None or not self._strategy.is_chief:
+    def _save(self, input_ended: bool = False) -> None:
+        """Checkpoint the current step: the chief writes the variables and every worker's
+        input position. Every worker calls this at the same steps (the positions are
+        gathered to the chief); ``input_ended``: the data ran out, so no position is
+        saved and the next ``train`` starts ``input_fn``'s data anew."""
+        if not self._chief_saves:
             return
-        arrays = self.get_variables()
-        path = self._checkpoints.save(self._global_step, arrays, {"world_size": self._strategy.size})
         self._last_save = time.monotonic()
+        inputs = self._gather_inputs(input_ended)
+        if not self._strategy.is_chief:
+            return
+        meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
+                ("ended" if input_ended else "not checkpointable")}
+        path = self._checkpoints.save(self._global_step, self.get_variables(), meta, inputs)  # type: ignore[union-attr]
         progress("Saved checkpoint for step %d to %s", self._global_step, path)
+
+    def _gather_inputs(self, input_ended: bool) -> dict[int, dict[str, bytes]] | None:
+        """Every worker's input position on the chief (None unless all have one)."""
+        blob = None
+        if not input_ended and self._iterator is not None:
+            try:
+                blob = pack(save_iterator(self._iterator))
+            except InputNotCheckpointable as exc:
+                if not self._input_warned:
+                    self._input_warned = True
+                    logger.warning(
+                        "The input of train() cannot be checkpointed (%s): checkpoints hold the variables only, and "
+                        "a run resumed from them starts input_fn's data from its beginning. Datasets built with "
+                        "from_generator, py_function or numpy_function keep their state outside TensorFlow", exc)
+        strategy = self._strategy
+        blobs = [blob] if strategy.size == 1 else gather(strategy.reducer, blob, "hostreduce.ckpt.input")
+        if not strategy.is_chief or any(b is None for b in blobs):
+            return None
+        return {rank: unpack(b) for rank, b in enumerate(blobs)}  # type: ignore[arg-type]
+
+    def _restore_input(self, dataset: Any, iterator: Any) -> Any:
+        """Each worker's iterator moved to its position in the checkpoint of the current
+        step, when that checkpoint holds every worker's position (else ``iterator``)."""
+        strategy = self._strategy
+        blobs: list[bytes | None] | None = None
+        path = None
+        if strategy.is_chief and self._chief_saves:
+            path = self._checkpoints.find(self._global_step)  # type: ignore[union-attr]
+            saved = self._checkpoints.load_inputs(path) if path else {}  # type: ignore[union-attr]
+            if saved and sorted(saved) != list(range(strategy.size)):
+                logger.warning("Checkpoint %s holds the input positions of ranks %s, not of this job's %d workers: "
+                               "input_fn's data starts from its beginning", path, sorted(saved), strategy.size)
+            elif saved:
+                blobs = [pack(saved[rank]) for rank in range(strategy.size)]
+        if strategy.size > 1 and self._chief_saves:
+            blobs = broadcast(strategy.reducer, (blobs or [None] * strategy.size) if strategy.is_chief else None,
+                              "hostreduce.ckpt.restore")
+        own = blobs[strategy.rank] if blobs else None
+        if own is None:
+            return iterator
+        try:
+            restore_iterator(iterator, unpack(own))
+        except Exception as exc:  # a different pipeline than the one saved
+            logger.warning("The input position saved at step %d does not fit this input_fn's dataset (%s: %s): its "
+                           "data starts from the beginning", self._global_step, type(exc).__name__,
+                           str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            return iter(dataset)
+        if strategy.is_chief:
+            progress("Restored the input position of %d worker(s) from %s", len(blobs or ()), path)
+        return iterator
+
+    def _checkpoint_policy(self) -> tuple[int | None, float | None]:
+        """The chief's ``(save_checkpoints_steps, save_checkpoints_secs)`` on every worker,
+        and whether it checkpoints at all (``self._chief_saves``)."""
+        config, strategy = self.config, self._strategy
+        policy = np.array([self._checkpoints is not None, config.save_checkpoints_steps or 0,
+                           config.save_checkpoints_secs or 0], np.float64)
+        if strategy.size > 1:
+            policy = strategy.reducer.broadcast("hostreduce.ckpt.policy", policy, root=0)
+        self._chief_saves = bool(policy[0])
+        return int(policy[1]) or None, float(policy[2]) or None
+
+    def _save_due(self, step: int, save_every: int | None, save_secs: float | None) -> bool:
+        if not self._chief_saves:
+            return False
+        if save_every and step % save_every == 0:
+            return True
+        if save_secs is None:
+            return False
+        due = time.monotonic() - self._last_save >= save_secs
+        if self._strategy.size > 1:  # the chief's clock decides, for every worker
+            due = bool(self._strategy.reducer.broadcast("hostreduce.ckpt.due", np.array([due], np.int32), root=0)[0])
+        return due
 
     # -- train -----------------------------------------------------------------
     def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,
@@ -189,8 +286,11 @@ class Estimator:
         With neither ``steps`` nor ``max_steps``, training runs until the data ends;
         with several workers they agree every step, so all stop when the first runs
         out. With ``steps``/``max_steps`` every worker must have enough batches.
-        Training resumes from the latest checkpoint in ``model_dir``. The chief logs
-        progress on the ``hostreduce.estimator`` logger (level INFO).
+        Training resumes from the latest checkpoint in ``model_dir``: variables, step
+        and, where the checkpoint of the current step holds them, every worker's input
+        position, so a resumed run sees the batches an uninterrupted one would
+        (``input_fn`` must build the same pipeline). The chief logs progress on the
+        ``hostreduce.estimator`` logger (level INFO).
         """
         _check_steps("steps", steps)
         _check_steps("max_steps", max_steps)
@@ -206,14 +306,14 @@ class Estimator:
         strategy, config = self._strategy, self.config
         must_agree = target is None and strategy.size > 1
         log_every = config.log_step_count_steps
-        save_every = config.save_checkpoints_steps
-        save_secs = config.save_checkpoints_secs if strategy.is_chief and self._checkpoints is not None else None
+        save_every, save_secs = self._checkpoint_policy()
         timeout = config.collective_timeout_s
         window_start, window_examples = time.perf_counter(), 0
         summary_every = config.save_summary_steps if config.model_dir else None
         summary_start, summary_examples = time.perf_counter(), 0
-        iterator = iter(dataset)
+        iterator = self._iterator = self._restore_input(dataset, iter(dataset))
         loss = float("nan")
+        has_data = 1
         while target is None or self._global_step < target:
             try:
                 features, labels = split_element(next(iterator), ModeKeys.TRAIN)
@@ -245,11 +345,11 @@ class Estimator:
                 self._summaries.scalars(step, {"loss": loss, "global_step/sec": summary_every / elapsed,
                                                "examples/sec": summary_examples / elapsed})
                 summary_start, summary_examples = time.perf_counter(), 0
-            if (save_every and step % save_every == 0) or (
-                    save_secs is not None and time.monotonic() - self._last_save >= save_secs):
+            if self._save_due(step, save_every, save_secs):
                 self._save()
                 self._timeline.flush()
-        self._save()
+        self._save(input_ended=not has_data)
+        self._iterator = None
         self._timeline.flush()
         if strategy.is_chief and self._global_step > start:
             progress("Loss for final step: %s.", loss)
@@ -347,6 +447,41 @@ class Estimator:
                     yield from out
                 else:
                     yield out
+
+    # -- export ----------------------------------------------------------------
+    def export_saved_model(self, export_dir_base: str, serving_input_receiver_fn: Callable[[], Any] | None = None
+                           ) -> str | None:
+        """Write a SavedModel serving ``model_fn``'s predictions; return its path.
+
+        As ``tf.estimator.Estimator.export_saved_model``, the export goes to a new
+        ``export_dir_base/<timestamp>`` directory, with the current variables (a fresh
+        Estimator takes those of the latest checkpoint in ``model_dir``) and one
+        signature, ``serving_default``: ``model_fn`` in ``PREDICT`` mode, returning its
+        ``predictions`` (a dict, or one tensor under the key ``output``). Its inputs
+        are named after the features' keys (one tensor: ``features``).
+
+        Args:
+            export_dir_base: the directory that receives the timestamped export.
+            serving_input_receiver_fn: a callable with no arguments returning the
+                features' ``tf.TensorSpec`` (or a flat dict of them; batch dimension
+                None). TensorFlow 2 has no placeholders, so this replaces
+                ``tf.estimator``'s ``ServingInputReceiver``. None: the features of the
+                last ``input_fn`` this Estimator ran, with the batch dimension free.
+
+        Only the chief writes (other workers return None); no collective is involved.
+        """
+        if not self._strategy.is_chief:
+            return None
+        spec = features_spec(serving_input_receiver_fn, self._features_spec)
+        program = PredictProgram(self.model_fn, self.params, self.config, self._store, (spec, None), self._timeline)
+        self._excluded_keys.update(self._store.local_keys())
+        new = [(k, v) for k, v in self._store.unsynced() if k not in self._excluded_keys]
+        if new:
+            self._restore_latest(new)  # left unsynced: a later train() broadcasts them
+        variables = [v for k, v in self._store.items() if k not in self._excluded_keys]
+        path = write_saved_model(program.function, spec, variables, export_dir_base)
+        progress("Exported a SavedModel to %s", path)
+        return path
 
     def close(self) -> None:
         """Flush the timeline and summaries and release the strategy's reducer."""

@@ -1,0 +1,197 @@
+"""Estimator checkpoints in TensorFlow's format: every variable and slot by name, restore
+into a Keras model, atomic publication, each worker's input position resumed, the
+earlier npz format, and the SavedModel export."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
+import tf_common as common  # noqa: E402
+
+from hostreduce.errors import ConfigError  # noqa: E402
+from hostreduce.estimator import Estimator, RunConfig  # noqa: E402
+from hostreduce.estimator import checkpoint as checkpoint_module  # noqa: E402
+from hostreduce.estimator.checkpoint import GLOBAL_STEP, CheckpointManager  # noqa: E402
+from hostreduce.estimator.names import restore_variables  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+
+def _estimator(model_dir: Path | None, **config) -> Estimator:
+    keras.utils.set_random_seed(1234)
+    run_config = RunConfig(model_dir=str(model_dir) if model_dir else None, log_step_count_steps=None,
+                           save_summary_steps=None, **config)
+    return Estimator(common.mlp_model_fn, config=run_config, params={"optimizer": "adam"})
+
+
+def _relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-12))
+
+
+def test_every_variable_and_slot_by_name_and_restore_into_keras(tmp_path: Path) -> None:
+    est = _estimator(tmp_path)
+    est.train(common.make_input_fn(), steps=3)
+    listed = dict(tf.train.list_variables(str(tmp_path)))  # through model_dir's `checkpoint` index
+    assert set(listed) == set(est.get_variable_names()) | {GLOBAL_STEP}
+    for name in ("sequential/dense/kernel", "sequential/dense/kernel#1", "sequential/dense/bias#2", "adam/iteration",
+                 "adam/sequential_dense_kernel_momentum", "adam/sequential_dense_bias_velocity#2"):
+        assert name in listed, name
+    reader = tf.train.load_checkpoint(est.latest_checkpoint())
+    assert est.latest_checkpoint() == tf.train.latest_checkpoint(str(tmp_path))
+    assert int(reader.get_tensor(GLOBAL_STEP)) == 3 and int(reader.get_tensor("adam/iteration")) == 3
+    for name in est.get_variable_names():
+        np.testing.assert_array_equal(reader.get_tensor(name), est.get_variable_value(name), err_msg=name)
+
+    # The same Keras model and optimizer, built in this process (their Keras paths carry
+    # counters such as sequential_4/dense_9), take the checkpoint's values by name.
+    model = keras.Sequential([keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(32, activation="tanh"),
+                              keras.layers.Dense(common.CLASSES)])
+    model.build((None, common.FEATURES))
+    optimizer = keras.optimizers.Adam(1e-2)
+    optimizer.build(model.trainable_variables)
+    names = restore_variables(str(tmp_path), model.variables + optimizer.variables)
+    assert sorted(names) == sorted(est.get_variable_names())
+    np.testing.assert_array_equal(model.layers[1].kernel.numpy(), reader.get_tensor("sequential/dense/kernel#1"))
+    assert int(optimizer.iterations.numpy()) == 3
+    x, _ = common.dataset_arrays(40)
+    predicted = next(est.predict(lambda: tf.data.Dataset.from_tensors(x), yield_single_examples=False))
+    np.testing.assert_array_equal(np.argmax(model(x).numpy(), axis=1), predicted["classes"])
+
+
+def test_crash_before_publishing_leaves_the_previous_checkpoint(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    est = _estimator(tmp_path)
+    est.train(common.make_input_fn(), steps=2)
+    saved = est.get_variables()
+
+    def crash(*args, **kwargs):
+        raise OSError("killed")
+
+    # Killed after writing every file of step 4, before the rename that publishes it.
+    monkeypatch.setattr(checkpoint_module.os, "rename", crash)
+    with pytest.raises(OSError, match="killed"):
+        est.train(common.make_input_fn(), steps=2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-000000002"]
+    reader = tf.train.load_checkpoint(str(tmp_path))
+    assert int(reader.get_tensor(GLOBAL_STEP)) == 2
+    resumed = _estimator(tmp_path)
+    resumed.train(common.make_input_fn(), steps=0)
+    assert resumed.global_step == 2
+    for name, value in saved.items():
+        np.testing.assert_array_equal(resumed.get_variable_value(name), value, err_msg=name)
+
+    # Killed after publishing step 4, before the index moved on: the index still names
+    # a complete checkpoint, and the Estimator resumes from the newest directory.
+    monkeypatch.setattr(checkpoint_module, "_write_index", crash)
+    with pytest.raises(OSError, match="killed"):
+        resumed.train(common.make_input_fn(), steps=2)
+    monkeypatch.undo()
+    assert int(tf.train.load_checkpoint(str(tmp_path)).get_tensor(GLOBAL_STEP)) == 2
+    assert _estimator(tmp_path).train(common.make_input_fn(), steps=1).global_step == 5
+    assert int(tf.train.load_checkpoint(str(tmp_path)).get_tensor(GLOBAL_STEP)) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resumed_run_equals_straight_run(tmp_path: Path, world_size: int) -> None:
+    from estimator_resume_workers import resume_rank
+
+    from hostreduce.testing import run_ranks
+
+    steps = 10
+    results = run_ranks(resume_rank, world_size, args=(str(tmp_path), steps), timeout=150)
+    assert results[0]["kept"] == [steps // 2 - 1, steps // 2]  # keep_checkpoint_max=2
+    index = tf.train.get_checkpoint_state(str(tmp_path / "stopped"))  # the resumed run kept 5 (the default)
+    assert [os.path.basename(os.path.dirname(p)) for p in index.all_model_checkpoint_paths] == [
+        f"ckpt-{s:09d}" for s in (steps // 2 - 1, steps // 2, steps)]
+    assert index.model_checkpoint_path.endswith(f"ckpt-{steps:09d}/variables")
+    for rank, result in enumerate(results):
+        straight, resumed = result["straight"], result["resumed"]
+        assert sorted(straight) == sorted(resumed) and int(resumed["__global_step__"]) == steps
+        errors = {k: _relative_error(resumed[k], straight[k]) for k in straight}
+        assert max(errors.values()) <= 1e-6, (rank, errors)
+        # Restarting the data instead (the input positions removed) ends elsewhere.
+        kernel = "sequential/dense/kernel"
+        assert _relative_error(result["without_input"][kernel], straight[kernel]) > 1e-3, rank
+    meta = json.loads((tmp_path / "stopped" / f"ckpt-{steps:09d}" / "meta.json").read_text())
+    assert meta["world_size"] == world_size and meta["input_ranks"] == list(range(world_size))
+
+
+def test_uncheckpointable_input_warns_once_and_resumes_variables(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    x, y = common.dataset_arrays(64)
+
+    def input_fn():
+        def batches():
+            while True:
+                for i in range(0, 64, 16):
+                    yield x[i:i + 16], y[i:i + 16]
+
+        return tf.data.Dataset.from_generator(batches, output_signature=(
+            tf.TensorSpec([16, common.FEATURES], tf.float32), tf.TensorSpec([16], tf.int32)))
+
+    with caplog.at_level(logging.WARNING, logger="hostreduce.estimator"):
+        est = _estimator(tmp_path, save_checkpoints_steps=1)
+        est.train(input_fn, steps=3)
+    warnings = [r.getMessage() for r in caplog.records if "cannot be checkpointed" in r.getMessage()]
+    assert len(warnings) == 1 and "PyFunc is stateful" in warnings[0], warnings
+    assert not [p for p in (tmp_path / "ckpt-000000003").iterdir() if p.name.startswith("input-")]
+    resumed = _estimator(tmp_path)
+    resumed.train(input_fn, steps=0)
+    assert resumed.global_step == 3
+    np.testing.assert_array_equal(resumed.get_variable_value("sequential/dense/kernel"),
+                                  est.get_variable_value("sequential/dense/kernel"))
+
+
+def test_npz_checkpoints_of_the_earlier_format_still_load(tmp_path: Path) -> None:
+    est = _estimator(None)
+    est.train(common.make_input_fn(), steps=2)
+    saved = est.get_variables()
+    old = tmp_path / "ckpt-000000002"
+    old.mkdir()
+    np.savez(old / "variables.npz", **{f"a{i}": v for i, v in enumerate(saved.values())})
+    (old / "meta.json").write_text(json.dumps({"format": 1, "step": 2, "keys": list(saved), "world_size": 1}))
+    resumed = _estimator(tmp_path)
+    resumed.train(common.make_input_fn(), steps=0)
+    assert resumed.global_step == 2
+    for name, value in saved.items():
+        np.testing.assert_array_equal(resumed.get_variable_value(name), value, err_msg=name)
+    resumed.train(common.make_input_fn(), steps=1)  # and the next checkpoint is TensorFlow's
+    assert int(tf.train.load_checkpoint(str(tmp_path)).get_tensor(GLOBAL_STEP)) == 3
+    (old / "variables.npz").write_bytes(b"not a zip")
+    with pytest.raises(checkpoint_module.CheckpointError, match="ckpt-000000002"):
+        CheckpointManager(str(tmp_path)).load(str(old))
+
+
+def test_export_saved_model_serves_predictions(tmp_path: Path) -> None:
+    est = _estimator(tmp_path / "model")
+    est.train(common.make_input_fn(), steps=2)
+    x, _ = common.dataset_arrays(24)
+    expected = next(est.predict(lambda: tf.data.Dataset.from_tensors(x), yield_single_examples=False))["classes"]
+    path = est.export_saved_model(str(tmp_path / "export"))
+    assert os.path.dirname(path) == str(tmp_path / "export") and os.path.basename(path).isdigit()
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    np.testing.assert_array_equal(serve(features=tf.constant(x))["classes"].numpy(), expected)
+
+    # A fresh Estimator exports the latest checkpoint's variables; it has seen no input,
+    # so it is told the features' spec.
+    fresh = _estimator(tmp_path / "model")
+    with pytest.raises(ConfigError, match="serving_input_receiver_fn"):
+        fresh.export_saved_model(str(tmp_path / "export"))
+    spec = tf.TensorSpec([None, common.FEATURES], tf.float32)
+    again = fresh.export_saved_model(str(tmp_path / "export"), serving_input_receiver_fn=lambda: spec)
+    assert again != path
+    serve = tf.saved_model.load(again).signatures["serving_default"]
+    np.testing.assert_array_equal(serve(features=tf.constant(x))["classes"].numpy(), expected)
