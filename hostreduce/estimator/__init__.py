@@ -2,6 +2,7 @@
 whose ``host_call`` runs the optimizer on the host after gradients are all-reduced."""
 from .estimator import Estimator
 from .mode_keys import ModeKeys
+from .names import restore_variables
 from .run_config import RunConfig
 from .spec import EstimatorSpec, host_train_spec
 from .training import EvalSpec, TrainSpec, train_and_evaluate
@@ -18,5 +19,6 @@ __all__ = [
     "TrainSpec",
     "compute_gradients",
     "host_train_spec",
+    "restore_variables",
     "train_and_evaluate",
 ]

@@ -13,13 +13,13 @@ from ..errors import ConfigError
 from ..host.variables import VariableStore
 from ..timeline import Timeline, timeline_dir_from_env
 from .checkpoint import CheckpointManager
+from .checkpointing import Checkpointing
 from .export import features_spec, write_saved_model
-from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
-from .inputs import call_input_fn, check_model_fn, split_element
+from .inputs import batch_size, call_input_fn, check_model_fn, split_element, without_autotune_thread
 from .mode_keys import ModeKeys
-from .progress import logger, progress
+from .progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
-from .run_config import RunConfig
+from .run_config import RunConfig, set_random_seed
 from .summaries import SummaryWriter
 
 __all__ = ["Estimator"]
@@ -73,11 +73,9 @@ class Estimator:
         self._excluded_keys: set[str] = set()
         self._global_step = 0
         self._step_synced = False
-        self._last_save = time.monotonic()
         self._seeded = False
-        self._iterator: Any = None  # train()'s input while it runs: checkpoints save its position
-        self._chief_saves = False  # whether the chief writes checkpoints in this train() call
-        self._input_warned = False
+        self._ckpt = Checkpointing(self._strategy, self._checkpoints, config.save_checkpoints_steps,
+                                   config.save_checkpoints_secs)
         self._features_spec: Any = None  # of the last input_fn, for export_saved_model
 
     # -- properties ------------------------------------------------------------
@@ -123,7 +121,7 @@ class Estimator:
             return cached[1]
         args = (self.model_fn, self.params, self.config, self._store, element_spec, self._timeline)
         if self.config.tf_random_seed is not None and not self._seeded:
-            _set_random_seed(self.config.tf_random_seed)
+            set_random_seed(self.config.tf_random_seed)
             self._seeded = True
         if mode == ModeKeys.TRAIN:
             program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply,
@@ -145,7 +143,7 @@ class Estimator:
         strategy = self._strategy
         new = [(k, v) for k, v in self._store.unsynced() if k not in self._excluded_keys]
         if strategy.is_chief:
-            step = self._restore_latest(new)
+            step = self._ckpt.restore_latest(new)
             if step is not None and not self._step_synced:
                 self._global_step = step
         if strategy.size > 1:
@@ -160,115 +158,14 @@ class Estimator:
         self._step_synced = True
         self._store.mark_synced(k for k, _ in self._store.unsynced())
 
-    def _restore_latest(self, variables: list[tuple[str, Any]]) -> int | None:
-        """Assign ``variables`` their values in the latest checkpoint, where it has them
-        (no collective); return its step, or None without a checkpoint."""
-        latest = self._checkpoints.latest() if self._checkpoints is not None else None
-        if latest is None:
-            return None
-        step, arrays, _ = self._checkpoints.load(latest[1])  # type: ignore[union-attr]
-        restored = 0
-        for key, var in variables:
-            if key in arrays:
-                var.assign(arrays[key])
-                restored += 1
-        if restored:
-            progress("Restored %d variables from %s (step %d)", restored, latest[1], step)
-        return step
-
     def _dataset(self, input_fn: Callable[..., Any], mode: str) -> Any:
         dataset = call_input_fn(input_fn, mode, self._strategy.input_context(), self.params, self.config)
-        return _without_autotune_thread(dataset)
+        return without_autotune_thread(dataset)
 
     # -- checkpoints -----------------------------------------------------------
     def _save(self, input_ended: bool = False) -> None:
-        """Checkpoint the current step: the chief writes the variables and every worker's
-        input position. Every worker calls this at the same steps (the positions are
-        gathered to the chief); ``input_ended``: the data ran out, so no position is
-        saved and the next ``train`` starts ``input_fn``'s data anew."""
-        if not self._chief_saves:
-            return
-        self._last_save = time.monotonic()
-        inputs = self._gather_inputs(input_ended)
-        if not self._strategy.is_chief:
-            return
-        meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
-                ("ended" if input_ended else "not checkpointable")}
-        path = self._checkpoints.save(self._global_step, self.get_variables(), meta, inputs)  # type: ignore[union-attr]
-        progress("Saved checkpoint for step %d to %s", self._global_step, path)
-
-    def _gather_inputs(self, input_ended: bool) -> dict[int, dict[str, bytes]] | None:
-        """Every worker's input position on the chief (None unless all have one)."""
-        blob = None
-        if not input_ended and self._iterator is not None:
-            try:
-                blob = pack(save_iterator(self._iterator))
-            except InputNotCheckpointable as exc:
-                if not self._input_warned:
-                    self._input_warned = True
-                    logger.warning(
-                        "The input of train() cannot be checkpointed (%s): checkpoints hold the variables only, and "
-                        "a run resumed from them starts input_fn's data from its beginning. Datasets built with "
-                        "from_generator, py_function or numpy_function keep their state outside TensorFlow", exc)
-        strategy = self._strategy
-        blobs = [blob] if strategy.size == 1 else gather(strategy.reducer, blob, "hostreduce.ckpt.input")
-        if not strategy.is_chief or any(b is None for b in blobs):
-            return None
-        return {rank: unpack(b) for rank, b in enumerate(blobs)}  # type: ignore[arg-type]
-
-    def _restore_input(self, dataset: Any, iterator: Any) -> Any:
-        """Each worker's iterator moved to its position in the checkpoint of the current
-        step, when that checkpoint holds every worker's position (else ``iterator``)."""
-        strategy = self._strategy
-        blobs: list[bytes | None] | None = None
-        path = None
-        if strategy.is_chief and self._chief_saves:
-            path = self._checkpoints.find(self._global_step)  # type: ignore[union-attr]
-            saved = self._checkpoints.load_inputs(path) if path else {}  # type: ignore[union-attr]
-            if saved and sorted(saved) != list(range(strategy.size)):
-                logger.warning("Checkpoint %s holds the input positions of ranks %s, not of this job's %d workers: "
-                               "input_fn's data starts from its beginning", path, sorted(saved), strategy.size)
-            elif saved:
-                blobs = [pack(saved[rank]) for rank in range(strategy.size)]
-        if strategy.size > 1 and self._chief_saves:
-            blobs = broadcast(strategy.reducer, (blobs or [None] * strategy.size) if strategy.is_chief else None,
-                              "hostreduce.ckpt.restore")
-        own = blobs[strategy.rank] if blobs else None
-        if own is None:
-            return iterator
-        try:
-            restore_iterator(iterator, unpack(own))
-        except Exception as exc:  # a different pipeline than the one saved
-            logger.warning("The input position saved at step %d does not fit this input_fn's dataset (%s: %s): its "
-                           "data starts from the beginning", self._global_step, type(exc).__name__,
-                           str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-            return iter(dataset)
-        if strategy.is_chief:
-            progress("Restored the input position of %d worker(s) from %s", len(blobs or ()), path)
-        return iterator
-
-    def _checkpoint_policy(self) -> tuple[int | None, float | None]:
-        """The chief's ``(save_checkpoints_steps, save_checkpoints_secs)`` on every worker,
-        and whether it checkpoints at all (``self._chief_saves``)."""
-        config, strategy = self.config, self._strategy
-        policy = np.array([self._checkpoints is not None, config.save_checkpoints_steps or 0,
-                           config.save_checkpoints_secs or 0], np.float64)
-        if strategy.size > 1:
-            policy = strategy.reducer.broadcast("hostreduce.ckpt.policy", policy, root=0)
-        self._chief_saves = bool(policy[0])
-        return int(policy[1]) or None, float(policy[2]) or None
-
-    def _save_due(self, step: int, save_every: int | None, save_secs: float | None) -> bool:
-        if not self._chief_saves:
-            return False
-        if save_every and step % save_every == 0:
-            return True
-        if save_secs is None:
-            return False
-        due = time.monotonic() - self._last_save >= save_secs
-        if self._strategy.size > 1:  # the chief's clock decides, for every worker
-            due = bool(self._strategy.reducer.broadcast("hostreduce.ckpt.due", np.array([due], np.int32), root=0)[0])
-        return due
+        """Checkpoint the current step (every worker calls this at the same steps)."""
+        self._ckpt.save(self._global_step, self.get_variables, input_ended)
 
     # -- train -----------------------------------------------------------------
     def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,
@@ -306,12 +203,12 @@ class Estimator:
         strategy, config = self._strategy, self.config
         must_agree = target is None and strategy.size > 1
         log_every = config.log_step_count_steps
-        save_every, save_secs = self._checkpoint_policy()
+        save_every, save_secs = self._ckpt.policy()
         timeout = config.collective_timeout_s
         window_start, window_examples = time.perf_counter(), 0
         summary_every = config.save_summary_steps if config.model_dir else None
         summary_start, summary_examples = time.perf_counter(), 0
-        iterator = self._iterator = self._restore_input(dataset, iter(dataset))
+        iterator = self._ckpt.iterator = self._ckpt.restore_input(dataset, iter(dataset), self._global_step)
         loss = float("nan")
         has_data = 1
         while target is None or self._global_step < target:
@@ -327,8 +224,8 @@ class Estimator:
             loss = program.run(features, labels, timeout)
             self._global_step += 1
             step = self._global_step
-            window_examples += _batch_size(features) * strategy.size
-            summary_examples += _batch_size(features) * strategy.size
+            window_examples += batch_size(features) * strategy.size
+            summary_examples += batch_size(features) * strategy.size
             for hook in hooks or ():
                 hook(step, loss)
             if log_every and step % log_every == 0:
@@ -345,11 +242,11 @@ class Estimator:
                 self._summaries.scalars(step, {"loss": loss, "global_step/sec": summary_every / elapsed,
                                                "examples/sec": summary_examples / elapsed})
                 summary_start, summary_examples = time.perf_counter(), 0
-            if self._save_due(step, save_every, save_secs):
+            if self._ckpt.due(step, save_every, save_secs):
                 self._save()
                 self._timeline.flush()
         self._save(input_ended=not has_data)
-        self._iterator = None
+        self._ckpt.iterator = None
         self._timeline.flush()
         if strategy.is_chief and self._global_step > start:
             progress("Loss for final step: %s.", loss)
@@ -477,7 +374,7 @@ class Estimator:
         self._excluded_keys.update(self._store.local_keys())
         new = [(k, v) for k, v in self._store.unsynced() if k not in self._excluded_keys]
         if new:
-            self._restore_latest(new)  # left unsynced: a later train() broadcasts them
+            self._ckpt.restore_latest(new)  # left unsynced: a later train() broadcasts them
         variables = [v for k, v in self._store.items() if k not in self._excluded_keys]
         path = write_saved_model(program.function, spec, variables, export_dir_base)
         progress("Exported a SavedModel to %s", path)
@@ -489,53 +386,3 @@ class Estimator:
         self._summaries.close()
         self._eval_summaries.close()
         self._strategy.close()
-
-
-def _without_autotune_thread(dataset: Any) -> Any:
-    """``dataset`` with tf.data's autotuning off, unless its options set it.
-
-    Each ``train``/``evaluate``/``predict`` call drops its iterator when it returns, and
-    TensorFlow's destructor waits for the iterator's autotune thread, which may sleep
-    through its optimization period (growing to 60 s) before it notices: measured here as
-    1-52 s at the end of ``train``, seemingly at random. Without autotuning there is no
-    such thread; ``AUTOTUNE`` parallelism then stays at TensorFlow's default (the number
-    of cores) and ``prefetch(AUTOTUNE)`` keeps its own buffer tuning.
-    """
-    import tensorflow as tf
-
-    if dataset.options().autotune.enabled is not None:
-        return dataset
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return dataset.with_options(options)
-
-
-def _set_random_seed(seed: int) -> None:
-    """Seed everything that chooses initial weights and random ops: Python's and NumPy's
-    generators, TensorFlow's global seed, and Keras (3 and/or tf_keras) as
-    ``keras.utils.set_random_seed`` does."""
-    import importlib
-    import importlib.util
-    import random
-
-    import tensorflow as tf
-
-    from ..host._keras import loaded_kerases
-
-    # Load the Keras behind tf.keras (tf_keras under TF_USE_LEGACY_KERAS=1) and Keras 3
-    # now: importing one later would draw from the generators seeded here.
-    tf.keras.utils  # noqa: B018
-    if importlib.util.find_spec("keras") is not None:
-        importlib.import_module("keras")
-    random.seed(seed)
-    np.random.seed(seed)
-    tf.random.set_seed(seed)
-    for keras in loaded_kerases():
-        keras.utils.set_random_seed(seed)
-
-
-def _batch_size(features: Any) -> int:
-    import tensorflow as tf
-
-    first = tf.nest.flatten(features)[0]
-    return int(first.shape[0]) if first.shape.rank else 1

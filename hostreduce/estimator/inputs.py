@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..errors import SpecError
 
-__all__ = ["call_input_fn", "call_model_fn", "check_model_fn", "split_element"]
+__all__ = ["batch_size", "call_input_fn", "call_model_fn", "check_model_fn", "split_element", "without_autotune_thread"]
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 
@@ -80,3 +80,29 @@ def split_element(element: Any, mode: str) -> tuple[Any, Any]:
     if isinstance(element, tuple) and len(element) == 2:
         return element
     return element, None
+
+
+def without_autotune_thread(dataset: Any) -> Any:
+    """``dataset`` with tf.data's autotuning off, unless its options set it.
+
+    Each ``train``/``evaluate``/``predict`` call drops its iterator when it returns, and
+    TensorFlow's destructor waits for the iterator's autotune thread, which may sleep
+    through its optimization period (growing to 60 s) before it notices: measured here as
+    1-52 s at the end of ``train``, seemingly at random. Without autotuning there is no
+    such thread; ``AUTOTUNE`` parallelism then stays at TensorFlow's default (the number
+    of cores) and ``prefetch(AUTOTUNE)`` keeps its own buffer tuning.
+    """
+    import tensorflow as tf
+
+    if dataset.options().autotune.enabled is not None:
+        return dataset
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
+
+
+def batch_size(features: Any) -> int:
+    import tensorflow as tf
+
+    first = tf.nest.flatten(features)[0]
+    return int(first.shape[0]) if first.shape.rank else 1

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 
-__all__ = ["RunConfig", "IGNORED_SETTINGS"]
+__all__ = ["RunConfig", "IGNORED_SETTINGS", "set_random_seed"]
 
 # Settings of tf.estimator.RunConfig, the IPU RunConfig and NPURunConfig that have no
 # meaning here: name -> why (shown in the warning).
@@ -243,3 +243,28 @@ class RunConfig(_Settings):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(_Settings)}
         values.update(changes)
         return RunConfig(**values, **self.device_options)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed everything that chooses initial weights and random ops: Python's and NumPy's
+    generators, TensorFlow's global seed, and Keras (3 and/or tf_keras) as
+    ``keras.utils.set_random_seed`` does."""
+    import importlib
+    import importlib.util
+    import random
+
+    import numpy as np
+    import tensorflow as tf
+
+    from ..host._keras import loaded_kerases
+
+    # Load the Keras behind tf.keras (tf_keras under TF_USE_LEGACY_KERAS=1) and Keras 3
+    # now: importing one later would draw from the generators seeded here.
+    tf.keras.utils  # noqa: B018
+    if importlib.util.find_spec("keras") is not None:
+        importlib.import_module("keras")
+    random.seed(seed)
+    np.random.seed(seed)
+    tf.random.set_seed(seed)
+    for keras in loaded_kerases():
+        keras.utils.set_random_seed(seed)

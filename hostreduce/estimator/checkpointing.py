@@ -1,0 +1,148 @@
+"""The checkpoint side of an Estimator's training: when to save, what every worker
+contributes (its input position), and restoring variables and positions on resume.
+
+The files themselves (format, atomic writes, names) are ``checkpoint.py``'s; this
+module decides the collectives around them. Every worker takes the same decisions at
+the same steps, the chief's settings and clock deciding, so a worker without a
+``model_dir`` still takes part in every save.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .checkpoint import CheckpointManager
+from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
+from .progress import logger, progress
+
+__all__ = ["Checkpointing"]
+
+
+class Checkpointing:
+    """Saving and restoring for one Estimator.
+
+    Args:
+        strategy: the Estimator's strategy (rank, size, reducer).
+        checkpoints: the chief's checkpoint files (None without a ``model_dir``).
+        save_steps, save_secs: this worker's ``RunConfig`` settings (the chief's count).
+    """
+
+    def __init__(self, strategy: Any, checkpoints: CheckpointManager | None, save_steps: int | None,
+                 save_secs: float | None) -> None:
+        self._strategy = strategy
+        self.files = checkpoints
+        self._save_steps, self._save_secs = save_steps, save_secs
+        self.chief_saves = False  # whether the chief writes checkpoints in this train() call
+        self.iterator: Any = None  # train()'s input while it runs: checkpoints save its position
+        self._last_save = time.monotonic()
+        self._input_warned = False
+
+    # -- variables -----------------------------------------------------------------
+    def restore_latest(self, variables: list[tuple[str, Any]]) -> int | None:
+        """Assign ``variables`` their values in the latest checkpoint, where it has them
+        (no collective); return its step, or None without a checkpoint."""
+        latest = self.files.latest() if self.files is not None else None
+        if latest is None:
+            return None
+        step, arrays, _ = self.files.load(latest[1])  # type: ignore[union-attr]
+        restored = 0
+        for key, var in variables:
+            if key in arrays:
+                var.assign(arrays[key])
+                restored += 1
+        if restored:
+            progress("Restored %d variables from %s (step %d)", restored, latest[1], step)
+        return step
+
+    # -- when ----------------------------------------------------------------------
+    def policy(self) -> tuple[int | None, float | None]:
+        """The chief's ``(save_checkpoints_steps, save_checkpoints_secs)`` on every worker,
+        and whether it checkpoints at all (``self.chief_saves``)."""
+        strategy = self._strategy
+        policy = np.array([self.files is not None, self._save_steps or 0, self._save_secs or 0], np.float64)
+        if strategy.size > 1:
+            policy = strategy.reducer.broadcast("hostreduce.ckpt.policy", policy, root=0)
+        self.chief_saves = bool(policy[0])
+        return int(policy[1]) or None, float(policy[2]) or None
+
+    def due(self, step: int, save_every: int | None, save_secs: float | None) -> bool:
+        if not self.chief_saves:
+            return False
+        if save_every and step % save_every == 0:
+            return True
+        if save_secs is None:
+            return False
+        due = time.monotonic() - self._last_save >= save_secs
+        if self._strategy.size > 1:  # the chief's clock decides, for every worker
+            due = bool(self._strategy.reducer.broadcast("hostreduce.ckpt.due", np.array([due], np.int32), root=0)[0])
+        return due
+
+    # -- saving --------------------------------------------------------------------
+    def save(self, step: int, variables: Callable[[], Mapping[str, np.ndarray]], input_ended: bool = False) -> None:
+        """Checkpoint ``step``: the chief writes ``variables()`` and every worker's input
+        position. Every worker calls this at the same steps (the positions are gathered
+        to the chief); ``input_ended``: the data ran out, so no position is saved and
+        the next ``train`` starts ``input_fn``'s data anew."""
+        if not self.chief_saves:
+            return
+        self._last_save = time.monotonic()
+        inputs = self._gather_inputs(input_ended)
+        if not self._strategy.is_chief:
+            return
+        meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
+                ("ended" if input_ended else "not checkpointable")}
+        path = self.files.save(step, variables(), meta, inputs)  # type: ignore[union-attr]
+        progress("Saved checkpoint for step %d to %s", step, path)
+
+    def _gather_inputs(self, input_ended: bool) -> dict[int, dict[str, bytes]] | None:
+        """Every worker's input position on the chief (None unless all have one)."""
+        blob = None
+        if not input_ended and self.iterator is not None:
+            try:
+                blob = pack(save_iterator(self.iterator))
+            except InputNotCheckpointable as exc:
+                if not self._input_warned:
+                    self._input_warned = True
+                    logger.warning(
+                        "The input of train() cannot be checkpointed (%s): checkpoints hold the variables only, and "
+                        "a run resumed from them starts input_fn's data from its beginning. Datasets built with "
+                        "from_generator, py_function or numpy_function keep their state outside TensorFlow", exc)
+        strategy = self._strategy
+        blobs = [blob] if strategy.size == 1 else gather(strategy.reducer, blob, "hostreduce.ckpt.input")
+        if not strategy.is_chief or any(b is None for b in blobs):
+            return None
+        return {rank: unpack(b) for rank, b in enumerate(blobs)}  # type: ignore[arg-type]
+
+    # -- restoring the input ---------------------------------------------------------
+    def restore_input(self, dataset: Any, iterator: Any, step: int) -> Any:
+        """Each worker's iterator moved to its position in the checkpoint of ``step``,
+        when that checkpoint holds every worker's position (else ``iterator``)."""
+        strategy = self._strategy
+        blobs: list[bytes | None] | None = None
+        path = None
+        if strategy.is_chief and self.chief_saves:
+            path = self.files.find(step)  # type: ignore[union-attr]
+            saved = self.files.load_inputs(path) if path else {}  # type: ignore[union-attr]
+            if saved and sorted(saved) != list(range(strategy.size)):
+                logger.warning("Checkpoint %s holds the input positions of ranks %s, not of this job's %d workers: "
+                               "input_fn's data starts from its beginning", path, sorted(saved), strategy.size)
+            elif saved:
+                blobs = [pack(saved[rank]) for rank in range(strategy.size)]
+        if strategy.size > 1 and self.chief_saves:
+            blobs = broadcast(strategy.reducer, (blobs or [None] * strategy.size) if strategy.is_chief else None,
+                              "hostreduce.ckpt.restore")
+        own = blobs[strategy.rank] if blobs else None
+        if own is None:
+            return iterator
+        try:
+            restore_iterator(iterator, unpack(own))
+        except Exception as exc:  # a different pipeline than the one saved
+            logger.warning("The input position saved at step %d does not fit this input_fn's dataset (%s: %s): its "
+                           "data starts from the beginning", step, type(exc).__name__,
+                           str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            return iter(dataset)
+        if strategy.is_chief:
+            progress("Restored the input position of %d worker(s) from %s", len(blobs or ()), path)
+        return iterator
