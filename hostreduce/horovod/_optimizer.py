@@ -28,11 +28,11 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..host._keras import keras_of
+from ..host._keras import keras_of, underlying_variable
 from . import _engine
 from ._ops import ReduceOp, reduce_gradients
 
-__all__ = ["WrapperConfig", "wrap_optimizer", "is_wrapped"]
+__all__ = ["WrapperConfig", "wrap_optimizer", "wrap_loaded_optimizer", "is_wrapped", "optimizer_variables"]
 
 HOST = "/CPU:0"
 
@@ -67,10 +67,17 @@ def _label(variable: Any, index: int) -> str:
     return str(getattr(variable, "path", None) or getattr(variable, "name", None) or f"variable{index}")
 
 
+def _device(variable: Any) -> str:
+    # A Keras 3 variable's device is its tf.Variable's; a tf.Variable's ``value`` is a
+    # method, not the variable, so it must not be asked for ``value.device``.
+    tf_variable = underlying_variable(variable)
+    return getattr(tf_variable if tf_variable is not None else variable, "device", "") or ""
+
+
 def _on_host(variable: Any) -> bool:
     import tensorflow as tf
 
-    device = getattr(getattr(variable, "value", variable), "device", "") or ""
+    device = _device(variable)
     return bool(device) and tf.DeviceSpec.from_string(device).device_type == "CPU"
 
 
@@ -95,11 +102,11 @@ def _reduce(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> l
 
 
 def _check_host_variables(variables: Sequence[Any]) -> None:
-    away = [_label(v, i) for i, v in enumerate(variables) if not _on_host(v)]
+    away = [(_label(v, i), v) for i, v in enumerate(variables) if not _on_host(v)]
     if away:
         raise ConfigError(
             "`variables_on_host=True` needs the model's trainable variables in host memory; "
-            f"{away[:3]} are on {getattr(variables[0], 'value', variables[0]).device or 'another device'}. "
+            f"{[label for label, _ in away[:3]]} are on {_device(away[0][1]) or 'another device'}. "
             "Build the model under `with tf.device('/CPU:0'):` (with a `keras.Input`, so that its "
             "variables are created there), or pass `variables_on_host=False`."
         )
@@ -189,12 +196,8 @@ def is_wrapped(optimizer: Any) -> bool:
     return getattr(type(optimizer), "_hostreduce_base", None) is not None
 
 
-def wrap_optimizer(optimizer: Any, config: WrapperConfig, name: str | None = None, argument: str = "optimizer") -> Any:
-    """A new optimizer of ``optimizer``'s configuration whose update reduces first.
-
-    ``optimizer`` must be a Keras 3 or tf_keras optimizer not used yet (its state is not
-    carried over). ``name``: the new optimizer's name (default: the original's).
-    """
+def _check_optimizer(optimizer: Any, argument: str) -> Any:
+    """The Keras package of ``optimizer``, a Keras optimizer not wrapped yet."""
     package = keras_of(optimizer)
     if package is None or not isinstance(optimizer, package.optimizers.Optimizer):
         raise ConfigError(f"`{argument}` must be a Keras optimizer (Keras 3 or tf_keras). "
@@ -202,10 +205,10 @@ def wrap_optimizer(optimizer: Any, config: WrapperConfig, name: str | None = Non
     if is_wrapped(optimizer):
         raise ConfigError(f"`{argument}` already reduces its gradients over the job; wrap an optimizer only once. "
                           f"Received: {argument}={optimizer!r}")
-    built = getattr(optimizer, "built", False) or bool(getattr(optimizer, "_variables", None))
-    if built and int(optimizer.iterations.numpy()) > 0:
-        raise ConfigError(f"`{argument}` must not have been used yet: wrap it before training (its state would "
-                          f"be lost). Received: an optimizer at iteration {int(optimizer.iterations.numpy())}")
+    return package
+
+
+def _new_wrapped(optimizer: Any, package: Any, config: WrapperConfig, name: str | None) -> Any:
     _engine.job()  # fail here, not inside fit(), when init() was not called
     cls = _subclass(type(optimizer), package.__name__)
     config_dict = optimizer.get_config()
@@ -220,4 +223,51 @@ def wrap_optimizer(optimizer: Any, config: WrapperConfig, name: str | None = Non
         raise ConfigError(f"Could not re-create {type(optimizer).__name__} from its get_config() to wrap it: "
                           f"{type(exc).__name__}: {exc}") from exc
     wrapped._hostreduce_config = config
+    return wrapped
+
+
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """Every variable of a Keras 3 (a property) or tf_keras (a method) optimizer."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def wrap_optimizer(optimizer: Any, config: WrapperConfig, name: str | None = None, argument: str = "optimizer") -> Any:
+    """A new optimizer of ``optimizer``'s configuration whose update reduces first.
+
+    ``optimizer`` must be a Keras 3 or tf_keras optimizer not used yet (its state is not
+    carried over). ``name``: the new optimizer's name (default: the original's).
+    """
+    package = _check_optimizer(optimizer, argument)
+    built = getattr(optimizer, "built", False) or bool(getattr(optimizer, "_variables", None))
+    if built and int(optimizer.iterations.numpy()) > 0:
+        raise ConfigError(f"`{argument}` must not have been used yet: wrap it before training (its state would "
+                          f"be lost). Received: an optimizer at iteration {int(optimizer.iterations.numpy())}")
+    return _new_wrapped(optimizer, package, config, name)
+
+
+def wrap_loaded_optimizer(optimizer: Any, config: WrapperConfig, variables: Sequence[Any],
+                          argument: str = "optimizer") -> Any:
+    """A wrapped optimizer that carries on from ``optimizer``'s state: for the optimizer
+    of a model Keras has loaded from a file, with its iteration count and slots.
+
+    The new optimizer is built on ``variables`` (the model's trainable variables), so its
+    variables are created where ``config`` puts them (``/CPU:0`` with
+    ``variables_on_host``), not where the loaded ones happen to live; then each takes
+    the value of the loaded variable at its position. Both optimizers are of one class,
+    built on the same variables, so their variable lists correspond one to one; a
+    difference in number or shape is refused rather than guessed at.
+    """
+    package = _check_optimizer(optimizer, argument)
+    wrapped = _new_wrapped(optimizer, package, config, None)
+    if not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
+        return wrapped  # never applied an update: its configuration is all its state
+    wrapped.build(list(variables))
+    source, target = optimizer_variables(optimizer), optimizer_variables(wrapped)
+    shapes = [tuple(v.shape) for v in source], [tuple(v.shape) for v in target]
+    if shapes[0] != shapes[1]:
+        raise ConfigError(f"Could not carry the state of `{argument}` over to its wrapped copy: its variables have "
+                          f"shapes {shapes[0]}, the copy's {shapes[1]}. Received: {argument}={optimizer!r}")
+    for new, old in zip(target, source):
+        new.assign(old.numpy())
     return wrapped

@@ -4,7 +4,8 @@ as ``horovod.tensorflow.keras``.
 ``DistributedOptimizer`` wraps a Keras 3 (or tf_keras) optimizer so that
 ``model.compile(optimizer=hvd.DistributedOptimizer(opt))`` and ``model.fit`` reduce the
 gradients over the job, each one as soon as the backward pass has produced it;
-:mod:`.callbacks` has Horovod's broadcast, metric-average and learning-rate callbacks.
+:mod:`.callbacks` has Horovod's broadcast, metric-average and learning-rate callbacks;
+``load_model`` reads a saved model back with its optimizer wrapped and its state kept.
 The process API (``init``, ``rank``, ``size``, ...) is that of :mod:`hostreduce.horovod`.
 """
 from __future__ import annotations
@@ -18,13 +19,13 @@ from .._engine import (cross_rank, cross_size, init, is_initialized, local_rank,
                        size)
 from .._ops import (Average, Max, Min, Sum, _check_compression, _check_process_set, broadcast_variables,
                     global_process_set, resolve_op)
-from .._optimizer import WrapperConfig, wrap_optimizer
+from .._optimizer import HOST, WrapperConfig, wrap_loaded_optimizer, wrap_optimizer
 from . import callbacks
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "DistributedOptimizer", "broadcast_global_variables", "callbacks", "Compression", "Average", "Sum", "Min",
-    "Max",
+    "DistributedOptimizer", "load_model", "broadcast_global_variables", "callbacks", "Compression", "Average", "Sum",
+    "Min", "Max",
 ]
 
 
@@ -82,6 +83,66 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     config = WrapperConfig(rop, compression, bool(sparse_as_dense), float(gradient_predivide_factor),
                            bool(variables_on_host))
     return wrap_optimizer(optimizer, config, name)
+
+
+def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None,
+               compression: Any = Compression.none, variables_on_host: bool = False) -> Any:
+    """Load a model saved by Keras (``model.save``, ``ModelCheckpoint``) with its
+    optimizer wrapped in :func:`DistributedOptimizer`, its state carried over, so that
+    training resumes from the saved iteration count and slots.
+
+    The file is read by ``tf.keras.models.load_model`` (Keras 3, or tf_keras with
+    ``TF_USE_LEGACY_KERAS=1``). A model saved with a wrapped optimizer holds the plain
+    optimizer class, so ``keras.models.load_model`` alone gives the plain optimizer with
+    its state (outside a job, or to evaluate).
+
+    Args:
+        filepath: the saved model (a ``.keras`` file, or what that Keras's
+            ``load_model`` reads).
+        custom_optimizers: optimizer classes of your own the file names, as in Horovod.
+        custom_objects: other custom classes or functions by name, passed to Keras.
+        compression: the wrapped optimizer's ``compression`` (``Compression.none`` or
+            ``Compression.fp16``).
+        variables_on_host: load the model's variables into host memory (``/CPU:0``) and
+            wrap with ``variables_on_host=True``: every optimizer variable, iterations
+            and slots included, is then on ``/CPU:0`` too. Not a Horovod argument.
+
+    Returns:
+        The model; its optimizer is wrapped when the file holds one (a model saved
+        without ``compile`` is returned as Keras loads it).
+    """
+    import contextlib
+
+    import tensorflow as tf
+
+    _engine.job()  # fail before reading the file when init() was not called
+    _check_compression(compression)
+    if custom_optimizers is not None and (isinstance(custom_optimizers, (str, type))
+                                          or not all(isinstance(c, type) for c in custom_optimizers)):
+        raise ConfigError("`custom_optimizers` must be a list of optimizer classes. "
+                          f"Received: custom_optimizers={custom_optimizers!r}")
+    if custom_objects is not None and not isinstance(custom_objects, dict):
+        raise ConfigError("`custom_objects` must be a dict of names to objects. "
+                          f"Received: custom_objects={custom_objects!r}")
+    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
+    objects.update(custom_objects or {})
+    with tf.device(HOST) if variables_on_host else contextlib.nullcontext():
+        model = tf.keras.models.load_model(filepath, custom_objects=objects or None)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return model
+    config = WrapperConfig(Average, compression, variables_on_host=bool(variables_on_host))
+    try:
+        wrapped = wrap_loaded_optimizer(optimizer, config, model.trainable_variables, argument="model.optimizer")
+    except ConfigError as exc:
+        raise ConfigError(f"Could not wrap the optimizer of the model loaded from `filepath`: {exc} "
+                          f"Received: filepath={filepath!r}") from exc
+    model.optimizer = wrapped
+    # What compile() was given, and what a later model.save() records as the optimizer.
+    compile_config = getattr(getattr(model, "_compile_config", None), "config", None)
+    if isinstance(compile_config, dict) and "optimizer" in compile_config:
+        compile_config["optimizer"] = wrapped
+    return model
 
 
 def broadcast_global_variables(root_rank: int) -> Any:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from .. import _engine
-from .._ops import broadcast_variables, grouped_allreduce
+from .._ops import Min, allreduce, broadcast_variables, grouped_allreduce
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback"]
@@ -51,11 +51,34 @@ def _optimizer_variables(optimizer: Any) -> list[Any]:
     return list(variables() if callable(variables) else variables)
 
 
-class BroadcastGlobalVariablesCallback(_Callback):
-    """Make every rank start from ``root_rank``'s model and optimizer state.
+def _optimizer_ready(model: Any) -> bool:
+    """Whether the model's and its optimizer's variables exist (or could be made to)
+    before the first batch; builds an optimizer not built yet."""
+    optimizer = getattr(model, "optimizer", None)
+    # Not ``model.variables``: an unbuilt model may already hold its Dropout layers' seeds.
+    if optimizer is None or not getattr(model, "built", False) or not model.trainable_variables:
+        return False
+    if getattr(optimizer, "built", False) or getattr(optimizer, "_built", False):
+        return True
+    build = getattr(optimizer, "build", None)
+    if build is None:  # e.g. a legacy tf_keras optimizer: slots appear at its first update
+        return False
+    build(list(model.trainable_variables))
+    return True
 
-    The broadcast runs after the first batch (when the optimizer's variables exist), as
-    in Horovod. Args: ``root_rank``; ``device`` is accepted (collectives run on the host).
+
+class BroadcastGlobalVariablesCallback(_Callback):
+    """Make every rank start from ``root_rank``'s model and optimizer state: its weights,
+    iteration count and slots (e.g. Adam's moments), as restored from a checkpoint.
+
+    The broadcast runs when training begins, before the first step, where the model's
+    variables exist by then (any model Keras 3 trains, built tf_keras models): an
+    optimizer not built yet is built first, so that its slots exist on every rank to
+    receive ``root_rank``'s. A job resumed from a checkpoint that only ``root_rank``
+    loaded thus continues exactly where the saved one stopped. Otherwise (on every rank
+    alike: the ranks agree on it first) it runs after the first batch, as in Horovod,
+    whose first update then mixes gradients taken at different weights.
+    Args: ``root_rank``; ``device`` is accepted (collectives run on the host).
     """
 
     def __init__(self, root_rank: int, device: str = "") -> None:
@@ -64,12 +87,27 @@ class BroadcastGlobalVariablesCallback(_Callback):
         self.device = device
         self.broadcast_done = False
 
-    def on_batch_end(self, batch: int, logs: Any = None) -> None:
-        if self.broadcast_done:
-            return
+    def _broadcast(self) -> None:
         broadcast_variables(self.model.variables, root_rank=self.root_rank)
         broadcast_variables(_optimizer_variables(self.model.optimizer), root_rank=self.root_rank)
         self.broadcast_done = True
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.broadcast_done:
+            return
+        ready = _optimizer_ready(self.model)
+        if _engine.size() > 1:
+            # A rank whose model is built only by its first batch (while another loaded
+            # a built one) must not leave the others waiting in a broadcast.
+            import tensorflow as tf
+
+            ready = bool(allreduce(tf.constant([int(ready)], tf.int32), op=Min).numpy()[0])
+        if ready:
+            self._broadcast()
+
+    def on_batch_end(self, batch: int, logs: Any = None) -> None:
+        if not self.broadcast_done:
+            self._broadcast()
 
 
 class MetricAverageCallback(_Callback):
