@@ -17,9 +17,9 @@ BENCH = ROOT / "benchmarks"
 pytestmark = pytest.mark.tf
 
 
-def _run(script: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+def _run(script: str, out: Path, timeout: float, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out)], cwd=str(ROOT),
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out), *extra], cwd=str(ROOT),
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
@@ -107,3 +107,36 @@ def test_end_to_end_quick_writes_every_field(tmp_path: Path) -> None:
     assert any("ring / tf" in t["what"] for t in result["targets"])
     assert (tmp_path / "end_to_end.png").stat().st_size > 0
     assert "examples/s" in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_end_to_end_quick_keras_fit_rows(tmp_path: Path) -> None:
+    """model.fit under hostreduce's ring and under MultiWorkerMirroredStrategy (Keras 3,
+    or tf_keras where Keras 3's fit fails under it), on the mnist model: rows, baselines,
+    the ratio, and equal weights on every rank (the gradients were reduced)."""
+    proc = _run("end_to_end.py", tmp_path, 130, "--impl", "keras-ring,keras-tf", "--models", "mnist",
+                "--name", "e2e.keras")
+    result = json.loads((tmp_path / "e2e.keras.json").read_text())
+    assert result["settings"]["impls"] == ["keras-ring", "keras-tf"] and result["settings"]["models"] == ["mnist"]
+    assert result["settings"]["plan"]["paths"] == ["fit", "fit-tf_keras"]
+    batch = result["settings"]["plan"]["batch"]["loopback"]["mnist"]
+    rows = {r["impl"]: r for r in result["measurements"]}
+    assert set(rows) == {"keras-ring", "keras-tf"}
+    assert rows["keras-ring"]["path"] == "fit" and rows["keras-ring"]["keras"].startswith("keras 3")
+    tf_row = rows["keras-tf"]
+    # tf_keras only where Keras 3 failed, and then the failure is recorded.
+    assert (tf_row["path"] == "fit-tf_keras") == ("keras3_error" in tf_row)
+    assert tf_row["keras"].startswith("tf_keras" if tf_row["path"] == "fit-tf_keras" else "keras 3")
+    for impl, r in rows.items():
+        assert result["runs"]["loopback"][impl]["2"]["status"] == "ok"
+        assert r["model"] == "mnist" and r["np"] == 2 and r["per_worker_batch"] == batch
+        assert r["examples_per_s"] == pytest.approx(r["global_batch"] / (r["step_ms"] / 1e3), rel=1e-2)
+        assert set(r["rank_step_ms"]) == {"0", "1"}
+        assert len(r["rank_step_ms"]["0"]) == result["settings"]["plan"]["steps"]["mnist"]
+        assert r["weights_agree"] is True
+        assert result["baselines"][f"mnist@{batch}"][r["path"]]["1"] > 0 and r["efficiency"] > 0
+    (ratio,) = [x for x in result["ratios"] if x["what"].startswith("keras-ring / keras-tf")]
+    assert ratio["value"] == pytest.approx(rows["keras-ring"]["examples_per_s"] / tf_row["examples_per_s"], rel=1e-2)
+    assert (tmp_path / "e2e.keras.png").stat().st_size > 0
+    assert "keras-ring / keras-tf" in proc.stdout
+
