@@ -32,7 +32,7 @@ import numpy as np
 from ...config import Config
 from ...errors import (ConfigError, PeerLostError, ReducerClosedError, TensorMismatchError,
                        CollectiveTimeoutError, HostReduceError, UnmatchedCollectiveError)
-from ..base import Handle, ReduceOp, Reducer, check_array, register_reducer
+from ..base import Handle, ReduceOp, Reducer, register_reducer
 from .datapath import DataPath
 from .negotiation import Coordinator, decide_data_path
 from .lane import CountedHandle, FastLane, lane_key
@@ -118,6 +118,8 @@ class RingReducer(Reducer):
         config: a ``Config`` (default: from ``HOSTREDUCE_*`` variables). ``secret`` is
             required when there is more than one worker.
     """
+
+    out_contiguous = True  # results are written through flat views
 
     def __init__(self, cluster: Any = None, config: Config | None = None) -> None:
         super().__init__()
@@ -630,15 +632,10 @@ class RingReducer(Reducer):
             self._slow_done += 1
 
     # ------------------------------------------------------------------ fast lane
-    def allreduce(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
-                  out: np.ndarray | None = None) -> np.ndarray:
+    def _allreduce(self, name: str, arr: np.ndarray, rop: ReduceOp, out: np.ndarray | None) -> np.ndarray:
         lane = self._lane
         if lane is None:
-            return super().allreduce(name, array, op, out)
-        arr = check_array(name, array)
-        self._check_out(name, arr, out)
-        rop = ReduceOp.parse(op)
-        self._check_open()
+            return super()._allreduce(name, arr, rop, out)
         handle = _RingHandle(name, self._wait_blocked)
         with self._lock:
             self._admit(name)
@@ -647,7 +644,7 @@ class RingReducer(Reducer):
                 self._pending[name] = _Pending("allreduce", arr, out, rop, 0, handle)
                 lane.busy = True
         if not fast:
-            return self._await_negotiated(self.allreduce_async(name, arr, rop, out))
+            return self._await_negotiated(self._allreduce_async(name, arr, rop, out))
         try:
             key = lane_key(name, arr, rop)
             self._lane_run(lane, name, arr, rop, key, lane.enter(key), handle)
@@ -707,29 +704,16 @@ class RingReducer(Reducer):
             handle._owner = self
         self._announce(self._entry(name, "allreduce", arr, op, 0), True)
 
-    def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
-                        out: np.ndarray | None = None) -> Handle:
-        arr = check_array(name, array)
-        self._check_out(name, arr, out)
-        return self._submit(name, "allreduce", arr, out, ReduceOp.parse(op), 0)
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> Handle:
+        return self._submit(name, "allreduce", arr, out, op, 0)
 
-    @staticmethod
-    def _check_out(name: str, arr: np.ndarray, out: np.ndarray | None) -> None:
-        if out is not None and (out.shape != arr.shape or out.dtype != arr.dtype or not out.flags.c_contiguous):
-            raise ConfigError(f"Tensor {name!r}: `out` must be a C-contiguous array of shape {arr.shape} and dtype "
-                              f"{arr.dtype}. Received: shape={out.shape}, dtype={out.dtype}")
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle:
+        return self._submit(name, "broadcast", arr, None, ReduceOp.SUM, root)
 
-    def broadcast_async(self, name: str, array: np.ndarray, root: int = 0) -> Handle:
-        arr = check_array(name, array)
-        return self._submit(name, "broadcast", arr, None, ReduceOp.SUM, self._check_root(root))
-
-    def allgather_async(self, name: str, array: np.ndarray) -> Handle:
-        arr = check_array(name, array)
-        if arr.ndim == 0:
-            arr = arr.reshape(1)
+    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle:
         return self._submit(name, "allgather", arr, None, ReduceOp.SUM, 0)
 
-    def barrier(self, timeout: float | None = None) -> None:
+    def _barrier(self, timeout: float | None) -> None:
         self._barriers += 1
         handle = self._submit(f"__barrier__/{self._barriers}", "barrier", np.zeros(0, np.float32), None,
                               ReduceOp.SUM, 0)
@@ -809,17 +793,17 @@ class RingReducer(Reducer):
             return
         self._tag += 1
         if kind == "allreduce":
-            self._allreduce(entries, item)
+            self._run_allreduce(entries, item)
         elif kind == "broadcast":
-            self._broadcast(entries[0])
+            self._run_broadcast(entries[0])
         elif kind == "allgather":
-            self._allgather(entries[0], item["counts"])
+            self._run_allgather(entries[0], item["counts"])
 
     def stats(self) -> dict[str, int]:
         """Counts since start: all-reduced tensors and the fused buckets that carried them."""
         return dict(self._stats)
 
-    def _allreduce(self, entries: list[_Pending], item: dict) -> None:
+    def _run_allreduce(self, entries: list[_Pending], item: dict) -> None:
         self._stats["allreduce_tensors"] += len(entries)
         self._stats["allreduce_buckets"] += 1
         dtype = entries[0].array.dtype
@@ -830,10 +814,10 @@ class RingReducer(Reducer):
         for p, o in zip(entries, outs):
             p.handle.set_result(o)
 
-    def _broadcast(self, p: _Pending) -> None:
+    def _run_broadcast(self, p: _Pending) -> None:
         p.handle.set_result(self._data.broadcast(p.array, p.root, self._tag))
 
-    def _allgather(self, p: _Pending, counts: list[int]) -> None:
+    def _run_allgather(self, p: _Pending, counts: list[int]) -> None:
         p.handle.set_result(self._data.allgather(p.array, counts, self._tag))
 
     # ------------------------------------------------------------------ shutdown
