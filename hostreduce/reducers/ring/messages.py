@@ -229,20 +229,17 @@ def _entries_head(entries: list[Entry], blobs: list[memoryview]) -> list[dict]:
 
 
 def encode(msg: Message) -> bytes:
-    cls = type(msg)
-    if cls is Plan:
-        fields = _FIELDS
-        head: Any = (msg.rank, [(_STEP_CODE[type(s)], *fields[type(s)](s)) for s in msg.steps])  # type: ignore[union-attr]
-    elif cls is Ready:
-        blobs: list[memoryview] = []
-        head = (msg.rank, _entries_head(msg.entries, blobs))  # type: ignore[union-attr]
-        if blobs:
-            text = json.dumps(head).encode()
-            return b"".join([_PREFIX.pack(_CODE[cls], len(text)), text, *blobs])
+    """``msg`` on the wire (see the module docstring)."""
+    blobs: list[memoryview] = []
+    if isinstance(msg, Plan):
+        head: Any = (msg.rank, [(_STEP_CODE[type(s)], *_FIELDS[type(s)](s)) for s in msg.steps])
+    elif isinstance(msg, Ready):
+        head = (msg.rank, _entries_head(msg.entries, blobs))
     else:
-        head = _FIELDS[cls](msg)
+        head = _FIELDS[type(msg)](msg)
     text = json.dumps(head).encode()
-    return _PREFIX.pack(_CODE[cls], len(text)) + text
+    prefix = _PREFIX.pack(_CODE[type(msg)], len(text))
+    return b"".join([prefix, text, *blobs]) if blobs else prefix + text
 
 
 def decode(payload: bytes | memoryview) -> Message:
@@ -266,12 +263,13 @@ def decode(payload: bytes | memoryview) -> Message:
                 e["_data"] = view[end:end + int(e["nbytes"])]
                 end += int(e["nbytes"])
     if end != len(payload):
-        what = "announcement" if cls is Ready else f"{cls.__name__} message"
-        raise ValueError(f"{what} of {len(payload)} bytes does not match its {'entries' if cls is Ready else 'header'}")
+        raise ValueError(f"{cls.__name__} message of {len(payload)} bytes does not match its header")
     return cls(*head)
 
 
 def _step(head: list[Any]) -> Step:
+    if not 1 <= head[0] <= len(_STEPS):
+        raise ValueError(f"unknown plan step code {head[0]}")
     cls = _STEPS[head[0] - 1]
     if cls is Fail:
         return Fail(Cause(head[1]), *head[2:])
