@@ -367,3 +367,20 @@ def test_cluster_package_does_not_import_tensorflow() -> None:
     code = "import sys, hostreduce.cluster; print('tensorflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_format_tf_config_round_trips_and_names_bad_arguments():
+    from hostreduce.cluster import format_tf_config
+    from hostreduce.cluster.tf_config import parse_tf_config
+
+    addresses = ["127.0.0.1:2222", "[::1]:2223", "host-b:2224"]
+    for index in range(3):
+        spec = parse_tf_config(format_tf_config(addresses, index))
+        assert (spec.rank, spec.size, spec.addresses) == (index, 3, tuple(addresses))
+    assert parse_tf_config(format_tf_config(addresses[:1], 0, "chief")).task_type == "chief"
+    with pytest.raises(ClusterError, match=r"`index` must be an integer in \[0, 3\). Received: index=3"):
+        format_tf_config(addresses, 3)
+    with pytest.raises(ClusterError, match="`task_type` must be one of .* Received: task_type='ps'"):
+        format_tf_config(addresses, 0, "ps")
+    with pytest.raises(ClusterError, match="repeats the address"):
+        format_tf_config(["127.0.0.1:1", "localhost:1"], 0)

@@ -312,7 +312,13 @@ def test_a_stall_on_a_rank_that_stopped_answering_blames_that_rank():
 
 
 def test_announcement_with_data_round_trips():
-    from hostreduce.reducers.ring.grpc_mesh import decode_announcement, encode_announcement
+    from hostreduce.reducers.ring.messages import Ready, decode, encode
+
+    def encode_announcement(entries):
+        return encode(Ready(1, entries))
+
+    def decode_announcement(payload):
+        return decode(payload).entries
 
     a = np.arange(5, dtype=np.float32)
     b = np.arange(3, dtype=np.int64).reshape(3, 1)

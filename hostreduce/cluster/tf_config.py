@@ -1,5 +1,6 @@
 """Turn a TensorFlow cluster description (``TF_CONFIG`` or a cluster resolver) into a
-:class:`ClusterSpec`, and check ``host:port`` addresses.
+:class:`ClusterSpec`, write the ``TF_CONFIG`` of a worker, and check ``host:port``
+addresses. This is the one place that knows the ``TF_CONFIG`` format.
 
 The all-reduce ring is the ``chief`` (if any) followed by the ``worker`` tasks, so a
 chief is rank 0 and worker ``i`` is rank ``i + 1`` when a chief is present, ``i``
@@ -26,6 +27,7 @@ __all__ = [
     "check_addresses",
     "local_placement",
     "parse_tf_config",
+    "format_tf_config",
     "spec_from_cluster",
     "cluster_from_resolver",
 ]
@@ -321,6 +323,17 @@ def parse_tf_config(raw: str) -> ClusterSpec:
                 f"`task.{key}` is required in {TF_CONFIG}. Received: task={_show(task)}"
             )
     return spec_from_cluster(config["cluster"], task["type"], task["index"])
+
+
+def format_tf_config(addresses: Sequence[str], index: int, task_type: str = "worker") -> str:
+    """The ``TF_CONFIG`` JSON of task ``index`` of ``task_type`` in a cluster whose
+    ``task_type`` tasks are at ``addresses`` (what :func:`parse_tf_config` reads back)."""
+    if task_type not in RING_TASK_TYPES:
+        raise ClusterError(f"`task_type` must be one of {RING_TASK_TYPES}. Received: task_type={task_type!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(addresses):
+        raise ClusterError(f"`index` must be an integer in [0, {len(addresses)}). Received: index={index!r}")
+    return json.dumps({"cluster": {task_type: list(check_addresses(addresses))},
+                       "task": {"type": task_type, "index": index}})
 
 
 def cluster_from_resolver(resolver: Any) -> ClusterSpec:

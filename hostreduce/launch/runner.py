@@ -1,12 +1,11 @@
 """Start N local workers of one job, relay their output, and stop them all together.
 
-Each worker gets a ``TF_CONFIG`` describing a cluster of loopback addresses and a
-shared ``HOSTREDUCE_SECRET``. Every worker runs in its own session, so stopping a
+Each worker gets a ``TF_CONFIG`` describing a cluster of loopback addresses (written by
+``hostreduce.cluster``) and a shared ``HOSTREDUCE_SECRET``. Every worker runs in its own session, so stopping a
 worker stops everything it started. The first worker that fails stops the job.
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import secrets
@@ -18,6 +17,7 @@ import threading
 import time
 from typing import BinaryIO, Callable, Mapping, Sequence
 
+from ..cluster import TF_CONFIG, format_tf_config
 from ._output import error_summary, is_startup_notice
 
 __all__ = [
@@ -68,7 +68,7 @@ def _format_address(host: str, port: int) -> str:
 
 def tf_config(addresses: Sequence[str], index: int) -> str:
     """The ``TF_CONFIG`` JSON for worker ``index`` of a cluster of ``addresses``."""
-    return json.dumps({"cluster": {"worker": list(addresses)}, "task": {"type": "worker", "index": index}})
+    return format_tf_config(addresses, index)
 
 
 def worker_env(
@@ -79,7 +79,7 @@ def worker_env(
     A ``HOSTREDUCE_SECRET`` already present in ``base`` is kept.
     """
     env = dict(base)
-    env["TF_CONFIG"] = tf_config(addresses, index)
+    env[TF_CONFIG] = format_tf_config(addresses, index)
     env.setdefault(_SECRET_VAR, secret)
     return env
 

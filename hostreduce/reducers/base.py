@@ -6,26 +6,25 @@ whose ``wait()`` gives the result. All ranks must submit the same names with the
 shape, dtype and op; engines that can detect a disagreement raise
 ``TensorMismatchError`` on every rank.
 
-A job always ends: a reducer the script never closed is closed at interpreter exit,
-before the interpreter joins its threads (with an abort that names the error when the
-exit is due to an unhandled exception, so that peers fail at once), and a process
-whose peer failed exits non-zero even if the script caught the error.
+The base class owns the contract every engine shares, so that each engine is written
+against checked arguments only: the checks of ``name``, dtype, ``op``, ``out=``,
+``root`` and ``timeout``, refusing work once closed, a 0-d all-gather input taken as
+one row, and the meaning of ``mean`` (integers: floor division) and of float16 and
+bfloat16 in engines that reduce them in float32 (rounded back once). A job always ends:
+see ``_job_end.py`` for how live reducers are closed at exit.
 """
 from __future__ import annotations
 
 import abc
-import atexit
 import enum
-import logging
-import os
-import sys
 import threading
-import weakref
-from typing import Any, Callable, ClassVar, NoReturn, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import numpy as np
 
 from ..errors import ConfigError, CollectiveTimeoutError, ReducerClosedError
+from . import _job_end
+from ._job_end import _close_live_at_exit  # noqa: F401 - the exit hook, reached through this module
 
 __all__ = [
     "ReduceOp",
@@ -36,9 +35,10 @@ __all__ = [
     "available_reducers",
     "SUPPORTED_DTYPES",
     "check_array",
+    "check_out",
+    "is_low_precision",
+    "apply_mean",
 ]
-
-_log = logging.getLogger("hostreduce")
 
 
 class ReduceOp(str, enum.Enum):
@@ -84,6 +84,40 @@ def check_array(name: Any, array: Any) -> np.ndarray:
             f"Received: dtype={arr.dtype}"
         )
     return arr
+
+
+def check_out(name: str, arr: np.ndarray, out: Any, contiguous: bool = False) -> None:
+    """Validate an all-reduce's ``out=``: a writeable array of ``arr``'s shape and dtype
+    (and C-contiguous, for engines that write the result through a flat view)."""
+    if out is None:
+        return
+    layout = ", C-contiguous" if contiguous else ""
+    if (not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype
+            or not out.flags.writeable or (contiguous and not out.flags.c_contiguous)):
+        flags = ""
+        if isinstance(out, np.ndarray):
+            flags = "".join([", read-only" if not out.flags.writeable else "",
+                             ", not C-contiguous" if contiguous and not out.flags.c_contiguous else ""])
+        raise ConfigError(
+            f"Tensor {name!r}: `out` must be a writeable numpy array of shape {arr.shape} and dtype "
+            f"{arr.dtype}{layout}. Received: {type(out).__name__} with shape={getattr(out, 'shape', None)}, "
+            f"dtype={getattr(out, 'dtype', None)}{flags}"
+        )
+
+
+def is_low_precision(dtype: np.dtype) -> bool:
+    """float16 and bfloat16: engines without a reduction for them reduce in float32 and
+    round back once, so every rank gets the same, once-rounded result."""
+    return (dtype.kind == "f" and dtype.itemsize == 2) or dtype.name == "bfloat16"
+
+
+def apply_mean(buf: np.ndarray, op: "ReduceOp", size: int) -> None:
+    """Turn a sum into a mean in place (floor division for integers)."""
+    if op is ReduceOp.MEAN and size > 1 and buf.size:
+        if buf.dtype.kind in "iu":
+            np.floor_divide(buf, size, out=buf)
+        else:
+            np.divide(buf, buf.dtype.type(size), out=buf)
 
 
 class Handle:
@@ -143,11 +177,18 @@ class Handle:
 class Reducer(abc.ABC):
     """Collectives over host-resident numpy arrays.
 
-    Subclasses implement the ``*_async`` methods, ``barrier`` and ``close``. ``rank``
-    and ``size`` describe the job; results are identical on every rank.
+    ``rank`` and ``size`` describe the job; results are identical on every rank. The
+    public methods check their arguments and then call what a subclass implements, with
+    a numpy array of a supported dtype, a parsed ``ReduceOp``, a valid ``out`` and
+    ``root``: ``_allreduce_async``, ``_broadcast_async``, ``_allgather_async`` (the
+    array has at least one dimension), ``_barrier`` and ``_close``. An engine with a
+    faster path for a blocking all-reduce overrides ``_allreduce``; one that can tell
+    its peers why it stops overrides ``_close_failed``.
     """
 
     name: ClassVar[str] = ""
+    # Whether ``out=`` must be C-contiguous (engines that write through a flat view).
+    out_contiguous: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._closed = False
@@ -160,36 +201,41 @@ class Reducer(abc.ABC):
     @abc.abstractmethod
     def size(self) -> int: ...
 
-    @abc.abstractmethod
-    def allreduce_async(
-        self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, out: np.ndarray | None = None
-    ) -> Handle:
+    def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
+                        out: np.ndarray | None = None) -> Handle:
         """Start an all-reduce of ``array``; the handle's result has its shape and dtype.
 
         ``out`` (optional) receives the result and may be ``array`` itself (in place).
         Integer ``mean`` rounds toward negative infinity.
         """
+        return self._allreduce_async(name, *self._check_allreduce(name, array, op, out))
 
-    @abc.abstractmethod
     def broadcast_async(self, name: str, array: np.ndarray, root: int = 0) -> Handle:
         """Start a broadcast of ``root``'s ``array`` (same shape and dtype everywhere)."""
+        self._check_open()
+        arr = check_array(name, array)
+        return self._broadcast_async(name, arr, self._check_root(root))
 
-    @abc.abstractmethod
     def allgather_async(self, name: str, array: np.ndarray) -> Handle:
         """Start an all-gather: every rank's array concatenated along axis 0 in rank
         order. Arrays must agree in dtype and in every dimension but the first."""
+        self._check_open()
+        arr = check_array(name, array)
+        return self._allgather_async(name, arr.reshape(1) if arr.ndim == 0 else arr)
 
-    @abc.abstractmethod
     def barrier(self, timeout: float | None = None) -> None:
-        """Block until every rank has entered the barrier."""
-
-    @abc.abstractmethod
-    def _close(self) -> None: ...
+        """Block until every rank has entered the barrier (at most ``timeout`` seconds,
+        where the engine bounds it)."""
+        self._check_open()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ConfigError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
+        self._barrier(timeout)
 
     # Blocking conveniences.
     def allreduce(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
                   out: np.ndarray | None = None) -> np.ndarray:
-        return self.allreduce_async(name, array, op, out).wait()
+        return self._allreduce(name, *self._check_allreduce(name, array, op, out))
 
     def broadcast(self, name: str, array: np.ndarray, root: int = 0) -> np.ndarray:
         return self.broadcast_async(name, array, root).wait()
@@ -197,11 +243,30 @@ class Reducer(abc.ABC):
     def allgather(self, name: str, array: np.ndarray) -> np.ndarray:
         return self.allgather_async(name, array).wait()
 
+    # What engines implement, with checked arguments.
+    @abc.abstractmethod
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> Handle: ...
+
+    @abc.abstractmethod
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle: ...
+
+    @abc.abstractmethod
+    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle: ...
+
+    @abc.abstractmethod
+    def _barrier(self, timeout: float | None) -> None: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+    def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
+        return self._allreduce_async(name, arr, op, out).wait()
+
     def close(self) -> None:
         """Release sockets, threads and buffers. Safe to call more than once."""
         if not self._closed:
             self._closed = True
-            _LIVE.discard(self)
+            _job_end.untrack(self)
             self._close()
 
     def _abort(self, reason: str) -> None:
@@ -213,7 +278,7 @@ class Reducer(abc.ABC):
         """
         if not self._closed:
             self._closed = True
-            _LIVE.discard(self)
+            _job_end.untrack(self)
             self._close_failed(reason)
 
     def _close_failed(self, reason: str) -> None:
@@ -223,14 +288,13 @@ class Reducer(abc.ABC):
         """Call at the end of a successful ``__init__``: until ``close()``, the reducer is
         closed at interpreter exit (with an abort if the exit is due to an unhandled
         exception), before the interpreter joins any thread that might wait on a peer."""
-        _install_exit_hooks()
-        _LIVE.add(self)
+        _job_end.track(self)
 
     @staticmethod
     def _peer_failed(error: BaseException) -> None:
         """Engines call this when a peer failed (not when it left in an orderly way): the
         process then exits non-zero even if the script catches the error."""
-        _note_peer_failure(error)
+        _job_end.note_peer_failure(error)
 
     @property
     def closed(self) -> bool:
@@ -239,6 +303,14 @@ class Reducer(abc.ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise ReducerClosedError(f"The {self.name!r} reducer is closed")
+
+    def _check_allreduce(self, name: str, array: Any, op: ReduceOp | str,
+                         out: Any) -> tuple[np.ndarray, ReduceOp, np.ndarray | None]:
+        self._check_open()
+        arr = check_array(name, array)
+        rop = ReduceOp.parse(op)
+        check_out(name, arr, out, self.out_contiguous)
+        return arr, rop, out
 
     def _check_root(self, root: Any) -> int:
         if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
@@ -252,111 +324,7 @@ class Reducer(abc.ABC):
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close()
         else:  # the block failed: peers learn why at once
-            self._abort(describe_exception(exc))
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``"ValueError: boom"``: how peers are told why a rank failed."""
-    text = str(exc)
-    name = type(exc).__name__
-    return f"{name}: {text[:500]}" if text else name
-
-
-# --------------------------------------------------------------------------- exit
-# Every reducer between a successful start and close() is in _LIVE. At interpreter exit
-# they are closed by a hook that runs before the interpreter joins its threads: gRPC's
-# server threads (a concurrent.futures pool, which the interpreter joins at exit) may be
-# waiting on a peer that is itself exiting, so without the hook two workers that never
-# call close() would wait for each other forever.
-_LIVE: "weakref.WeakSet[Reducer]" = weakref.WeakSet()
-_JOB_ABORTS: list[Callable[[str], None]] = []
-_hooks_lock = threading.Lock()
-_hooks_installed = False
-_peer_failure: BaseException | None = None
-
-
-def _install_exit_hooks() -> None:
-    global _hooks_installed
-    with _hooks_lock:
-        if _hooks_installed:
-            return
-        _hooks_installed = True
-        # concurrent.futures registers the join of its pools when its thread module is
-        # imported; threading's exit hooks run in reverse order of registration, so
-        # importing it first puts ours ahead of that join.
-        import concurrent.futures.thread  # noqa: F401
-
-        register = getattr(threading, "_register_atexit", None)
-        try:
-            if register is None:
-                raise RuntimeError("threading._register_atexit is not available")
-            register(_close_live_at_exit)
-        except RuntimeError:  # already shutting down, or an interpreter without the hook
-            atexit.register(_close_live_at_exit)
-        # atexit runs handlers in reverse order of registration: this one, registered
-        # when the first reducer starts, runs before those of the libraries loaded
-        # earlier and, after a peer failed, ends the process without them (they, and
-        # MPI_Finalize, might wait for the failed peer).
-        atexit.register(_exit_status_after_peer_failure)
-
-
-def add_job_abort(fn: Callable[[str], None]) -> None:
-    """Run ``fn(reason)`` when the interpreter exits with an unhandled exception, after
-    every live reducer was aborted (``mpi`` uses it to call ``MPI_Abort``)."""
-    _install_exit_hooks()
-    with _hooks_lock:
-        if fn not in _JOB_ABORTS:
-            _JOB_ABORTS.append(fn)
-
-
-def _note_peer_failure(error: BaseException) -> None:
-    global _peer_failure
-    if _peer_failure is None:
-        _peer_failure = error
-
-
-def _close_live_at_exit() -> None:
-    # Python sets sys.last_value for an unhandled exception before the exit hooks run.
-    error = getattr(sys, "last_value", None)
-    reason = None if error is None else describe_exception(error)
-    for reducer in list(_LIVE):
-        try:
-            if reason is None:
-                reducer.close()
-            else:
-                reducer._abort(reason)
-        except Exception as exc:  # noqa: BLE001 - best effort at exit; go on with the others
-            _log.warning("closing the %r reducer at exit failed: %s: %s", reducer.name, type(exc).__name__, exc)
-    if reason is not None:
-        for fn in list(_JOB_ABORTS):
-            fn(reason)
-
-
-def _exit_status_after_peer_failure() -> None:
-    # A script that caught the PeerLostError of a failed peer would otherwise exit 0,
-    # and the job would look successful. An unhandled exception already exits non-zero.
-    if _peer_failure is None or getattr(sys, "last_value", None) is not None:
-        return
-    _log.error("exiting with status 1: a peer failed (%s)", _peer_failure)
-    logging.shutdown()
-    exit_at_once(1)
-
-
-def flush_std_streams() -> None:
-    """Flush stdout and stderr, so that a traceback or message printed just before a
-    hard stop (``os._exit``, ``MPI_Abort``) is not lost. Best effort."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed or replaced stream
-            pass
-
-
-def exit_at_once(status: int) -> NoReturn:
-    """End the process now with ``status``, skipping the remaining exit handlers and the
-    join of threads that may wait on a failed peer; stdout and stderr are flushed first."""
-    flush_std_streams()
-    os._exit(status)
+            self._abort(_job_end.describe_exception(exc))
 
 
 _R = TypeVar("_R", bound=type)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .base import Handle, ReduceOp, Reducer, check_array, register_reducer
+from .base import Handle, ReduceOp, Reducer, register_reducer
 
 
 @register_reducer("local")
@@ -32,34 +32,21 @@ class LocalReducer(Reducer):
         handle.set_result(value)
         return handle
 
-    def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
-                        out: np.ndarray | None = None) -> Handle:
-        self._check_open()
-        arr = check_array(name, array)
-        ReduceOp.parse(op)
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> Handle:
         if out is None:
             return self._done(name, arr.copy())
-        if out.shape != arr.shape or out.dtype != arr.dtype:
-            raise ConfigError(
-                f"Tensor {name!r}: `out` must have shape {arr.shape} and dtype {arr.dtype}. "
-                f"Received: shape={out.shape}, dtype={out.dtype}"
-            )
         if out is not arr:
             np.copyto(out, arr)
         return self._done(name, out)
 
-    def broadcast_async(self, name: str, array: np.ndarray, root: int = 0) -> Handle:
-        self._check_open()
-        self._check_root(root)
-        return self._done(name, check_array(name, array).copy())
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle:
+        return self._done(name, arr.copy())
 
-    def allgather_async(self, name: str, array: np.ndarray) -> Handle:
-        self._check_open()
-        arr = check_array(name, array)
-        return self._done(name, arr.reshape((-1,) + arr.shape[1:]).copy() if arr.ndim else arr.reshape(1).copy())
+    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle:
+        return self._done(name, arr.copy())
 
-    def barrier(self, timeout: float | None = None) -> None:
-        self._check_open()
+    def _barrier(self, timeout: float | None) -> None:
+        pass
 
     def _close(self) -> None:
         pass

@@ -18,7 +18,8 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
-from ..launch.runner import free_ports, tf_config
+from ..cluster import format_tf_config
+from ..launch.runner import free_ports
 
 __all__ = [
     "run_ranks",
@@ -195,7 +196,7 @@ def _rank_env(
 ) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     if transport_env:
-        out["TF_CONFIG"] = tf_config(addresses, rank)
+        out["TF_CONFIG"] = format_tf_config(addresses, rank)
         out[_SECRET_VAR] = secret
     for key, value in (env or {}).items():
         out[str(key)] = None if value is None else str(value)

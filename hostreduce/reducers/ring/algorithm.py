@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from ..base import ReduceOp
+from ..base import ReduceOp, apply_mean
 
 __all__ = ["Link", "segment_bounds", "reduce_into", "finalize", "ring_allreduce", "pair_allreduce",
            "ring_allgather", "ring_broadcast"]
@@ -56,13 +56,8 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool 
         _UFUNCS[op](dst, src, out=dst)
 
 
-def finalize(buf: np.ndarray, op: ReduceOp, size: int) -> None:
-    """Turn a sum into a mean (floor division for integers)."""
-    if op is ReduceOp.MEAN and size > 1 and buf.size:
-        if buf.dtype.kind in "iu":
-            np.floor_divide(buf, size, out=buf)
-        else:
-            np.divide(buf, buf.dtype.type(size), out=buf)
+# Turn a sum into a mean (floor division for integers), as every engine does.
+finalize = apply_mean
 
 
 def _chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:

@@ -1,15 +1,14 @@
 """Authenticated gRPC connections between every pair of ranks.
 
 Each rank serves one gRPC service on the address the cluster spec gives it (and only
-there) and opens one long-lived client stream to every peer. Frames on a stream are
-``kind (1 byte) | tag (8 bytes) | payload``; data frames are queued per source for the
-ring, control frames (and announcements that carry small tensors' data) are handed to
-callbacks as they arrive. A stream that ends
-without a goodbye frame means the peer died: ``on_peer_lost`` fires at once. A rank
-that fails (an unhandled exception, a port it cannot listen on) sends a failure frame
-naming its error first, so that its peers can say why.
+there; ``grpc_inbound.py`` serves it) and opens one long-lived client stream to every
+peer, on which it sends frames from any thread. The mesh is up when this rank has
+connected to every peer and every peer has connected to it. A rank that fails (an
+unhandled exception, a port it cannot listen on) sends a failure frame naming its error
+first, so that its peers can say why; a peer lost either way, or an outgoing stream
+that breaks, is reported at once (``on_peer_lost``).
 
-Peers prove membership of the job with the shared secret (see ``auth``) before any
+Peers prove membership of the job with the shared secret (``admission.py``) before any
 frame is accepted. A refused connection (a bad proof, a malformed handshake) is logged
 with the caller's address and otherwise ignored: a stranger cannot end the job, and
 only the connect timeout, whose message lists the refusals, ends a start-up that a
@@ -17,10 +16,8 @@ real peer never joined.
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
-import re
 import threading
 import time
 from concurrent import futures
@@ -29,69 +26,18 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ...errors import AuthenticationError, ClusterError, PeerLostError
-from . import auth
+from . import admission, auth
+from .grpc_inbound import ABORT, BYE, CTL, DATA, FAILED, SERVICE, Inbound, frame
+from .messages import PeerFailure, encode
 
-__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE", "ANNOUNCE", "FAILED", "encode_announcement",
-           "decode_announcement"]
+__all__ = ["GrpcMesh", "RingLink", "DATA", "CTL", "ABORT", "BYE", "FAILED"]
 
 log = logging.getLogger("hostreduce.ring")
 
-DATA, CTL, ABORT, BYE, ANNOUNCE, FAILED = 1, 2, 3, 4, 5, 6
-_SERVICE = "hostreduce.Peer"
-_DEPARTED = b"departed"
-_HEADER = 9
-# A handshake is a small JSON object; anything larger is refused before it is parsed.
-_MAX_HELLO_BYTES = 1024
-_NONCE_RE = re.compile(r"[0-9a-f]{32}")
 # Say once that a peer is missing after this long (a normal start-up takes < 1 s).
 _WAIT_NOTICE_S = 5.0
 # How long a rank that cannot listen keeps trying to tell its peers why it stops.
 _FAREWELL_S = 5.0
-# Refusals logged one by one; after that every _LOG_EVERY-th, with the count.
-_LOG_FIRST, _LOG_EVERY = 10, 100
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except RecursionError:
-        return "<nested too deeply>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _frame(kind: int, tag: int, payload: bytes | np.ndarray = b"") -> bytes:
-    head = bytes((kind,)) + int(tag).to_bytes(8, "little")
-    if isinstance(payload, np.ndarray):
-        payload = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
-    return b"".join((head, payload))
-
-
-def encode_announcement(entries: list[dict]) -> bytes:
-    """Announced entries as JSON, then the bytes of each entry's ``_data`` array (small
-    all-reduces sent along), in order; the JSON marks those entries ``inline``."""
-    meta, blobs = [], []
-    for e in entries:
-        m = {k: v for k, v in e.items() if k != "_data"}
-        if "_data" in e:
-            m["inline"] = True
-            blobs.append(memoryview(np.ascontiguousarray(e["_data"]).reshape(-1).view(np.uint8)))
-        meta.append(m)
-    head = json.dumps(meta).encode()
-    return b"".join([len(head).to_bytes(4, "little"), head, *blobs])
-
-
-def decode_announcement(payload: memoryview) -> list[dict]:
-    """The entries of ``encode_announcement``, each inline one with ``_data`` (a view)."""
-    n = int.from_bytes(payload[:4], "little")
-    entries = json.loads(bytes(payload[4:4 + n]))
-    off = 4 + n
-    for e in entries:
-        if e.pop("inline", False):
-            e["_data"] = payload[off:off + int(e["nbytes"])]
-            off += int(e["nbytes"])
-    if off != len(payload):
-        raise ValueError(f"announcement of {len(payload)} bytes does not match its entries")
-    return entries
 
 
 def _channel_options(timeout_s: float) -> list[tuple[str, Any]]:
@@ -121,34 +67,25 @@ class GrpcMesh:
     """Full mesh of authenticated streams. Thread-safe ``send``; per-source ``recv``."""
 
     def __init__(self, rank: int, addresses: tuple[str, ...], secret: str, *, bind_host: str = "",
-                 timeout_s: float = 30.0, on_ctl: Callable[[int, bytes], None],
+                 timeout_s: float = 30.0, on_message: Callable[[int, memoryview], None],
                  on_peer_lost: Callable[[int, str], None],
-                 on_departed: Callable[[int], None] | None = None,
-                 on_announce: Callable[[int, memoryview], None] | None = None) -> None:
+                 on_departed: Callable[[int], None] | None = None) -> None:
         self.rank = rank
         self.size = len(addresses)
         self.addresses = addresses
         self._secret = secret
         self._bind_host = bind_host
         self._timeout = timeout_s
-        self._on_ctl = on_ctl
         self._on_peer_lost = on_peer_lost
-        self._on_departed = on_departed
-        self._on_announce = on_announce
-        self._nonces = auth.NonceBook()
-        self._inbox: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in range(self.size)}
+        self._cond = threading.Condition()
         self._outbox: dict[int, queue.SimpleQueue] = {}
         self._calls: dict[int, Any] = {}
         self._channels: list[Any] = []
-        self._incoming: set[int] = set()
-        self._refusals = 0
-        self._refused: dict[int, tuple[int, str]] = {}  # claimed rank -> (count, last reason)
         self._lost: dict[int, str] = {}                  # peers lost or failed, and why
         self._failed: set[int] = set()                   # ranks known to have failed, also by hearsay
-        self._last_frame: dict[int, float] = {}
-        self._goodbye: set[int] = set()
-        self._cond = threading.Condition()
         self._closing = False
+        self._in = Inbound(rank, addresses, secret, self._cond, on_message=on_message, on_lost=self._peer_lost,
+                           on_failed=self._failed.update, closing=lambda: self._closing, on_departed=on_departed)
         self._closed = False
         self._server: Any = None
         self._started = time.monotonic()
@@ -165,11 +102,7 @@ class GrpcMesh:
             futures.ThreadPoolExecutor(max_workers=2 * self.size + 4, thread_name_prefix="hostreduce-rx"),
             options=_channel_options(self._timeout),
         )
-        handler = grpc.method_handlers_generic_handler(_SERVICE, {
-            "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
-            "Stream": grpc.stream_unary_rpc_method_handler(self._stream),
-        })
-        self._server.add_generic_rpc_handlers((handler,))
+        self._server.add_generic_rpc_handlers((self._in.handler(),))
         try:
             bound = self._server.add_insecure_port(bind)
         except RuntimeError as e:
@@ -198,9 +131,9 @@ class GrpcMesh:
             if peer != self.rank:
                 self._connect(peer, deadline)
         with self._cond:
-            while not self._closing and len(self._incoming) < self.size - 1:
+            while not self._closing and len(self._in.incoming) < self.size - 1:
                 self._raise_if_lost()
-                missing = sorted(set(range(self.size)) - self._incoming - {self.rank})
+                missing = sorted(set(range(self.size)) - self._in.incoming - {self.rank})
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._raise_connect_timeout(missing, "did not connect to it")
@@ -215,18 +148,9 @@ class GrpcMesh:
 
     def _raise_connect_timeout(self, missing: list[int], what: str) -> None:
         where = ", ".join(f"rank {m} at {self.addresses[m]!r}" for m in missing)
-        refused = {p: v for p, v in self._refused.items() if p in missing}
-        text = (f"Rank {self.rank}: {where} {what} within connect_timeout_s={self._connect_timeout} "
-                "(HOSTREDUCE_CONNECT_TIMEOUT_S)")
-        if refused:
-            raise AuthenticationError(
-                text + "; meanwhile this rank refused "
-                + "; ".join(f"{n} connection(s) that claimed to be rank {p} ({why})" for p, (n, why) in refused.items())
-                + ". Every worker needs the same HOSTREDUCE_SECRET."
-            )
-        if self._refusals:
-            text += f"; meanwhile this rank refused {self._refusals} connection(s) that failed the handshake"
-        raise ClusterError(text)
+        raise self._in.refusals.timeout_error(
+            f"Rank {self.rank}: {where} {what} within connect_timeout_s={self._connect_timeout} "
+            "(HOSTREDUCE_CONNECT_TIMEOUT_S)", missing)
 
     def _notice_wait(self, missing: list[int]) -> None:
         """Say once, a few seconds into the start-up, which peers this rank waits for."""
@@ -244,9 +168,9 @@ class GrpcMesh:
         addr = self.addresses[peer]
         channel = grpc.insecure_channel(addr, options=_channel_options(self._timeout))
         self._channels.append(channel)
-        hello = channel.unary_unary(f"/{_SERVICE}/Hello")
+        hello = channel.unary_unary(f"/{SERVICE}/Hello")
         my_nonce = auth.new_nonce()
-        request = json.dumps({"rank": self.rank, "nonce": my_nonce}).encode()
+        request = admission.hello_request(self.rank, my_nonce)
         while True:
             if not farewell:
                 self._raise_if_lost()
@@ -262,21 +186,11 @@ class GrpcMesh:
                     raise ClusterError(f"Rank {self.rank}: handshake with rank {peer} at {addr!r} failed: {e.details()}") from None
                 time.sleep(0.05)
                 continue
-        try:
-            reply = json.loads(raw)
-            server_nonce = reply["nonce"]
-            if not (isinstance(server_nonce, str) and _NONCE_RE.fullmatch(server_nonce)):
-                raise ValueError("bad nonce")
-        except (ValueError, KeyError, TypeError, RecursionError):
-            raise AuthenticationError(
-                f"Rank {self.rank}: the process at {addr!r} answered the handshake with {_short(raw)}; it is not "
-                f"rank {peer} of this job") from None
-        server_ok = reply.get("rank") == peer and auth.verify(
-            self._secret, "server", my_nonce, peer, self.rank, str(reply.get("proof", "")))
+        server_nonce, server_ok = admission.read_reply(raw, self._secret, self.rank, peer, my_nonce, addr)
         proof = auth.prove(self._secret, "client", server_nonce, self.rank, peer)
         out: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox[peer] = out
-        stream = channel.stream_unary(f"/{_SERVICE}/Stream")
+        stream = channel.stream_unary(f"/{SERVICE}/Stream")
         call = stream.future(self._frames(out), metadata=(
             ("hr-rank", str(self.rank)), ("hr-nonce", server_nonce), ("hr-proof", proof)))
         call.add_done_callback(lambda f, p=peer: self._outgoing_done(p, f))
@@ -318,110 +232,13 @@ class GrpcMesh:
                 return
             yield item
 
-    # ------------------------------------------------------------------ server side
-    def _hello(self, request: bytes, context: Any) -> bytes:
-        try:
-            client_rank, client_nonce = self._parse_hello(request)
-        except ValueError as e:
-            import grpc
-
-            self._refuse(context.peer(), None, f"malformed handshake: {e}")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed handshake")
-        proof = auth.prove(self._secret, "server", client_nonce, self.rank, client_rank)
-        return json.dumps({"rank": self.rank, "nonce": self._nonces.issue(), "proof": proof}).encode()
-
-    def _parse_hello(self, request: bytes) -> tuple[int, str]:
-        """The claimed rank and nonce of a handshake; ValueError for anything else."""
-        if len(request) > _MAX_HELLO_BYTES:
-            raise ValueError(f"{len(request)} bytes (at most {_MAX_HELLO_BYTES})")
-        try:
-            req = json.loads(request)
-        except (ValueError, RecursionError) as e:
-            raise ValueError(f"not JSON ({type(e).__name__})") from None
-        if not isinstance(req, dict):
-            raise ValueError(f"not a JSON object: {_short(req)}")
-        rank, nonce = req.get("rank"), req.get("nonce")
-        if type(rank) is not int or not 0 <= rank < self.size or rank == self.rank:
-            raise ValueError(f"invalid rank {_short(rank)}")
-        if not (isinstance(nonce, str) and _NONCE_RE.fullmatch(nonce)):
-            raise ValueError(f"invalid nonce {_short(nonce)}")
-        return rank, nonce
-
-    def _refuse(self, peer: str, claimed: int | None, why: str) -> None:
-        """Log a refused connection (rate-limited) and remember it for the connect timeout."""
-        with self._cond:
-            self._refusals += 1
-            n = self._refusals
-            if claimed is not None and claimed not in self._incoming:
-                count = self._refused.get(claimed, (0, ""))[0] + 1
-                self._refused[claimed] = (count, f"{why}, last from {peer}")
-        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
-            more = f" ({n} refused so far)" if n > _LOG_FIRST else ""
-            log.warning("rank %d: refused connection from %s%s: %s%s", self.rank, peer,
-                        "" if claimed is None else f" (claimed rank {claimed})", why, more)
-
-    def _stream(self, frames: Iterator[bytes], context: Any) -> bytes:
-        import grpc
-
-        meta = dict(context.invocation_metadata())
-        try:
-            src = int(meta.get("hr-rank", "-1"))
-        except ValueError:
-            src = -1
-        nonce, proof = meta.get("hr-nonce", ""), meta.get("hr-proof", "")
-        valid_rank = 0 <= src < self.size and src != self.rank
-        if not (valid_rank and self._nonces.redeem(nonce)
-                and auth.verify(self._secret, "client", nonce, src, self.rank, proof)):
-            why = "wrong or missing shared secret" if valid_rank else f"invalid rank {_short(src)}"
-            self._refuse(context.peer(), src if valid_rank else None, why)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"rank {self.rank}: {why}")
-        with self._cond:
-            self._incoming.add(src)
-            self._cond.notify_all()
-        inbox = self._inbox[src]
-        last = self._last_frame
-        last[src] = time.monotonic()
-        try:
-            for frame in frames:
-                last[src] = time.monotonic()
-                kind = frame[0]
-                if kind == DATA:
-                    inbox.put(frame)
-                elif kind == CTL:
-                    self._on_ctl(src, frame[_HEADER:])
-                elif kind == ANNOUNCE and self._on_announce is not None:
-                    self._on_announce(src, memoryview(frame)[_HEADER:])
-                elif kind == ABORT:
-                    self._peer_lost(src, "aborted: " + self._read_failure(frame))
-                elif kind == FAILED:
-                    self._peer_lost(src, f"rank {src} ({self.addresses[src]}) failed: " + self._read_failure(frame))
-                elif kind == BYE:
-                    with self._cond:
-                        self._goodbye.add(src)
-                    inbox.put(_DEPARTED)  # after every data frame it sent
-                    if self._on_departed is not None:
-                        self._on_departed(src)
-            ended = "closed its connection to this rank without saying goodbye"
-        except Exception as e:  # the transport raises when the peer's process dies
-            detail = e.details() if hasattr(e, "details") else str(e)
-            ended = "stopped answering: its connection to this rank dropped" + (f" ({detail})" if detail else "")
-        if src not in self._goodbye and not self._closing:
-            self._peer_lost(src, f"rank {src} ({self.addresses[src]}) {ended} (its process ended, or the network "
-                                 f"failed); last heard from {time.monotonic() - last[src]:.1f} s before")
-        return b""
-
+    # ------------------------------------------------------------------ failures
     def _failure_payload(self, reason: str) -> bytes:
-        # The ranks known to have failed travel along, so that a rank that stops in turn
-        # does not spend its farewell on trying to reach them.
-        return json.dumps({"why": reason, "failed": sorted(self._failed | set(self._lost) | {self.rank})}).encode()
+        return encode(PeerFailure(self.rank, reason, sorted(self._failed | set(self._lost) | {self.rank})))
 
-    def _read_failure(self, frame: bytes) -> str:
-        try:
-            msg = json.loads(frame[_HEADER:])
-            self._failed.update(r for r in msg["failed"] if type(r) is int)
-            return str(msg["why"])
-        except (ValueError, KeyError, TypeError, RecursionError):
-            return bytes(frame[_HEADER:]).decode(errors="replace")
+    def last_frames(self) -> dict[int, float]:
+        """When a frame last came from each peer (``time.monotonic()``)."""
+        return self._in.last_frame
 
     def _peer_lost(self, src: int, why: str) -> None:
         # The owner first (it tells the peers it can reach), then a start-up in progress.
@@ -438,7 +255,7 @@ class GrpcMesh:
         timer.start()
 
     def _outgoing_lost(self, peer: int, call: Any) -> None:
-        if self._closing or peer in self._goodbye:
+        if self._closing or peer in self._in.goodbye:
             return
         import grpc
 
@@ -452,50 +269,33 @@ class GrpcMesh:
                 why = f"became unreachable ({e.code().name}: {e.details() or 'no detail'})"
         except Exception as e:  # pragma: no cover - cancelled futures and the like
             why = f"connection failed ({type(e).__name__})"
-        since = self._last_frame.get(peer)
+        since = self._in.last_frame.get(peer)
         if since is not None:
             why += f"; last heard from {time.monotonic() - since:.1f} s before"
         self._peer_lost(peer, f"rank {peer} ({self.addresses[peer]}) {why}")
 
     # ------------------------------------------------------------------ traffic
     def send(self, dst: int, kind: int, tag: int, payload: bytes | np.ndarray = b"") -> None:
-        self._outbox[dst].put(_frame(kind, tag, payload))
+        self._outbox[dst].put(frame(kind, tag, payload))
 
     def recv_data(self, src: int, tag: int, timeout: float) -> memoryview:
         """Next data frame from ``src``; raises PeerLostError on a wake-up sentinel or timeout."""
-        try:
-            frame = self._inbox[src].get(timeout=timeout)
-        except queue.Empty:
-            raise PeerLostError(
-                f"Rank {self.rank}: no data from rank {src} ({self.addresses[src]}) for {timeout} s "
-                "(the peer is hung or unreachable)"
-            ) from None
-        if frame is None:
-            raise PeerLostError(f"Rank {self.rank}: stopped waiting for rank {src}: the job is aborting")
-        if frame is _DEPARTED:
-            self._inbox[src].put(_DEPARTED)
-            raise PeerLostError(f"Rank {self.rank}: rank {src} ({self.addresses[src]}) closed its reducer "
-                                "while this collective still needed it")
-        got = int.from_bytes(frame[1:_HEADER], "little")
-        if got != tag:
-            raise RuntimeError(f"ring protocol error: rank {self.rank} expected collective #{tag} from rank {src}, got #{got}")
-        return memoryview(frame)[_HEADER:]
+        return self._in.recv_data(src, tag, timeout)
 
     def wake_all(self) -> None:
         """Unblock every ``recv_data`` (used when the job aborts)."""
-        for q in self._inbox.values():
-            q.put(None)
+        self._in.wake_all()
 
     def broadcast_abort(self, reason: str) -> None:
         payload = self._failure_payload(reason)
         for peer, out in self._outbox.items():
-            out.put(_frame(ABORT, 0, payload))
+            out.put(frame(ABORT, 0, payload))
 
     def broadcast_failure(self, reason: str) -> None:
         """Tell every peer that this rank failed with ``reason`` (before a non-graceful close)."""
         payload = self._failure_payload(reason)
         for peer, out in self._outbox.items():
-            out.put(_frame(FAILED, 0, payload))
+            out.put(frame(FAILED, 0, payload))
 
     def close(self, graceful: bool = True) -> None:
         if self._closed:
@@ -504,7 +304,7 @@ class GrpcMesh:
         self._closing = True
         for out in self._outbox.values():
             if graceful:
-                out.put(_frame(BYE, 0))
+                out.put(frame(BYE, 0))
             out.put(None)
         for call in self._calls.values():
             try:

@@ -28,13 +28,15 @@ import threading
 import time
 from typing import Any, Callable
 
+from .messages import Entry, Join, PlanItem, Welcome
+
 __all__ = ["Coordinator", "describe", "decide_data_path"]
 
 # How long every rank must stay blocked with nothing in common before it is reported.
 _SETTLE_S = 0.3
 _LIST_NAMES = 8   # pending names listed per rank in that report
 
-Entry = dict[str, Any]
+_Described = dict[str, Any]   # an Entry with the fields derived for matching
 _FIELDS = {
     "allreduce": ("kind", "dtype", "shape", "op"),
     "broadcast": ("kind", "dtype", "shape", "root"),
@@ -43,15 +45,15 @@ _FIELDS = {
 }
 
 
-def describe(entry: Entry) -> Entry:
+def describe(entry: Entry) -> _Described:
     """Add derived fields used for matching."""
-    entry = dict(entry)
-    entry["inner_shape"] = list(entry["shape"][1:])
-    return entry
+    described: _Described = dict(entry)
+    described["inner_shape"] = list(entry["shape"][1:])
+    return described
 
 
 class Coordinator:
-    def __init__(self, size: int, fusion_threshold: int, send_plan: Callable[[list[dict]], None],
+    def __init__(self, size: int, fusion_threshold: int, send_plan: Callable[[list[PlanItem]], None],
                  timeout_s: float, clock: Callable[[], float] = time.monotonic,
                  gather_threshold: int = 1 << 20, settle_s: float = _SETTLE_S) -> None:
         self.size = size
@@ -60,7 +62,7 @@ class Coordinator:
         self._send = send_plan
         self._timeout = timeout_s
         self._clock = clock
-        self._table: dict[str, dict[int, Entry]] = {}
+        self._table: dict[str, dict[int, _Described]] = {}
         self._first_seen: dict[str, float] = {}
         self._departed: set[int] = set()
         self._blocked: dict[int, str] = {}    # rank -> the name its caller waits for
@@ -172,8 +174,8 @@ class Coordinator:
             if items:
                 self._send(items)
 
-    def _plan(self, names: list[str]) -> list[dict]:
-        items: list[dict] = []
+    def _plan(self, names: list[str]) -> list[PlanItem]:
+        items: list[PlanItem] = []
         bucket: list[str] = []
         bucket_key: tuple | None = None
         bucket_bytes = 0
@@ -182,7 +184,7 @@ class Coordinator:
         def flush() -> None:
             nonlocal bucket, bucket_key, bucket_bytes, parts
             if bucket:
-                item: dict[str, Any] = {"kind": "allreduce", "names": bucket}
+                item: PlanItem = {"kind": "allreduce", "names": bucket}
                 if parts:
                     # Every rank sent its data with the announcement: rank 0 reduces and
                     # sends the result back (keys starting with "_" stay on rank 0).
@@ -204,7 +206,7 @@ class Coordinator:
             kind = ref["kind"]
             if kind != "allreduce":
                 flush()
-                item: dict[str, Any] = {"kind": kind, "names": [name]}
+                item = {"kind": kind, "names": [name]}
                 if kind == "allgather":
                     item["counts"] = [slot[r]["shape"][0] if slot[r]["shape"] else 1 for r in range(self.size)]
                 items.append(item)
@@ -223,7 +225,7 @@ class Coordinator:
         flush()
         return items
 
-    def _mismatch(self, name: str, slot: dict[int, Entry]) -> str | None:
+    def _mismatch(self, name: str, slot: dict[int, _Described]) -> str | None:
         fields = _FIELDS.get(slot[0]["kind"], ("kind",))
         if any(slot[r]["kind"] != slot[0]["kind"] for r in slot):
             fields = ("kind",)
@@ -247,20 +249,20 @@ def _fmt(field: str, value: Any) -> str:
     return str(value)
 
 
-def decide_data_path(joins: list[dict]) -> dict:
-    """Rank 0's answer to every rank's start-up "join": the data path for the job, or
+def decide_data_path(joins: list[Join]) -> Welcome:
+    """Rank 0's answer to every rank's start-up ``Join``: the data path for the job, or
     an error naming the setting on which the ranks disagree."""
-    joins = sorted(joins, key=lambda j: j["rank"])
+    joins = sorted(joins, key=lambda j: j.rank)
     for field in ("transport", "chunk_bytes", "fast_lane", "single_copy"):
-        values = [j.get(field) for j in joins]
+        values = [getattr(j, field) for j in joins]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {j['rank']}: {j.get(field)!r}" for j in joins)
-            return {"t": "welcome", "error": f"Every worker needs the same `{field}` setting. Received: {per_rank}"}
-    same_host = len({j["host"] for j in joins}) == 1
-    transport = joins[0]["transport"]
+            per_rank = ", ".join(f"rank {j.rank}: {getattr(j, field)!r}" for j in joins)
+            return Welcome(0, error=f"Every worker needs the same `{field}` setting. Received: {per_rank}")
+    same_host = len({j.host for j in joins}) == 1
+    transport = joins[0].transport
     if transport == "shm" and not same_host:
-        hosts = sorted({j["host"] for j in joins})
-        return {"t": "welcome", "error": f"`transport`='shm' needs every worker on one host. Received workers on {hosts}"}
+        hosts = sorted({j.host for j in joins})
+        return Welcome(0, error=f"`transport`='shm' needs every worker on one host. Received workers on {hosts}")
     if transport == "auto":
         transport = "shm" if same_host else "grpc"
-    return {"t": "welcome", "transport": transport, "token": secrets.token_hex(8)}
+    return Welcome(0, transport=transport, token=secrets.token_hex(8))
