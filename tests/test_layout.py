@@ -14,10 +14,8 @@ PACKAGE = ROOT / "hostreduce"
 RING = PACKAGE / "reducers" / "ring"
 MAX_LINES = 400
 # Modules over the limit that are still to be split, each capped at its current length
-# so that it does not grow meanwhile.
-KNOWN_OVER = {
-    "hostreduce/estimator/estimator.py": 406,
-}
+# so that it does not grow meanwhile (none today).
+KNOWN_OVER: dict[str, int] = {}
 
 
 def _lines(path: Path) -> int:
