@@ -5,7 +5,7 @@
     python benchmarks/end_to_end.py --quick          # smoke run: N = 2, loopback, small batches (< 90 s)
     python benchmarks/end_to_end.py --impl ring,tf --np 2 --networks loopback --max-load 2.5
     python benchmarks/end_to_end.py --impl ring,keras-ring,keras-ring-device,keras-mpi,keras-tf,keras-horovod \
-        --networks loopback --name end_to_end.keras --max-load 1.0    # the Keras fit rows
+        --networks loopback --np-resnet 2 --name end_to_end.keras --max-load 1.0   # Keras fit rows (~13 min)
 
 Models:
 
@@ -785,10 +785,10 @@ def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None
     import matplotlib.pyplot as plt
 
     models = plan["models"]
-    fig, axes = plt.subplots(len(models), 2, figsize=(14, 4.3 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models), 2, figsize=(17, 4.3 * len(models)), squeeze=False)
     for i, model in enumerate(models):
         ax, ax_eff = axes[i]
-        groups = [(nw, n) for nw in networks for n in sorted({r["np"] for r in rows})]
+        groups = [(nw, n) for nw in networks for n in sorted({r["np"] for r in rows if r["model"] == model})]
         impls = [i for i in IMPLS if any(r["impl"] == i and r["model"] == model for r in rows)]
         width = 0.8 / max(1, len(impls))
         for j, impl in enumerate(impls):
@@ -801,13 +801,14 @@ def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None
                     es.append(r.get("efficiency_shared_cpu"))
             if xs:
                 name = label(next(r for r in rows if r["impl"] == impl and r["model"] == model))
-                ax.bar(xs, ys, width, label=name)
-                ax_eff.bar(xs, [e if e is not None else 0 for e in es], width, label=name)
+                color = f"C{IMPLS.index(impl)}"  # the same colour for an implementation in every panel
+                ax.bar(xs, ys, width, label=name, color=color)
+                ax_eff.bar(xs, [e if e is not None else 0 for e in es], width, label=name, color=color)
         for a in (ax, ax_eff):
             a.set_xticks(range(len(groups)))
             a.set_xticklabels([f"{nw}\nN={n}" for nw, n in groups])
             a.grid(True, axis="y", alpha=0.3)
-            a.legend(fontsize=8)
+            a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.set_ylabel("examples/s")
         batches = ", ".join(f"{nw}: {plan['batch']['loopback' if nw == 'loopback' else 'cluster'][model]}"
                             for nw in networks)
