@@ -189,6 +189,26 @@ def test_distribute_with_one_worker_returns_its_inputs(one_worker: None) -> None
     assert type(on_host).__name__ == "Adam" and on_host is not sgd
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_variables_on_host_applies_keras_adam_with_the_fused_kernel(one_worker: None, sparse: bool) -> None:
+    """The wrapper's update is the fused ``ResourceApplyAdam`` for dense gradients (a
+    wrapped Adam counts as Adam), and Keras's own for ``IndexedSlices``."""
+    import keras
+    import tensorflow as tf
+
+    import hostreduce.horovod.keras as hvd
+
+    hvd.init()
+    with tf.device("/CPU:0"):
+        variable = keras.Variable(tf.ones([4, 3]))
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.1), variables_on_host=True)
+    opt.build([variable])
+    grad = tf.IndexedSlices(tf.ones([1, 3]), tf.constant([2]), tf.constant([4, 3])) if sparse else tf.ones([4, 3])
+    step = tf.function(lambda: opt.apply([grad], [variable]))
+    ops = {op.type for op in step.get_concrete_function().graph.get_operations()}
+    assert ("ResourceApplyAdam" in ops) != sparse, sorted(ops)
+
+
 def test_clear_errors_for_unsupported_arguments(one_worker: None) -> None:
     import keras
     import tensorflow as tf

@@ -6,7 +6,9 @@ Keras 3 and tf_keras build SGD and Adam updates from several element-wise ops pe
 ``ResourceApplyAdam`` do the same arithmetic in one pass over memory. The kernels are
 used only for configurations whose math they reproduce (no clipping, weight decay,
 EMA, AMSGrad, gradient accumulation, loss scaling or constraints); anything else goes
-through ``optimizer.apply_gradients``.
+through ``optimizer.apply_gradients``, as do steps with sparse (``IndexedSlices``)
+gradients, whose slots Keras updates differently. A ``hostreduce.horovod`` optimizer
+wrapper counts as the class it wraps.
 
 Weights match Keras to float32 rounding (relative error ~3e-7). One difference is
 inherent to the Adam kernel: it forms ``1 - beta_2`` in float32, and
@@ -33,7 +35,9 @@ def _keras_kind(optimizer: Any) -> str | None:
     package = keras_of(optimizer)
     if package is None:
         return None
-    cls = type(optimizer)
+    # A hostreduce.horovod wrapper is a subclass made for the user's class: its update
+    # is that class's.
+    cls = getattr(type(optimizer), "_hostreduce_base", type(optimizer))
     if cls is package.optimizers.Adam:
         return "adam"
     if cls is package.optimizers.SGD:
@@ -96,12 +100,15 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
     Keeps ``optimizer.iterations`` in step exactly as Keras does (one increment per
     call). Works eagerly and inside ``tf.function``, for Keras 3 and tf_keras.
     """
+    import tensorflow as tf
+
     pairs = [(g, v) for g, v in grads_and_vars]
     variables = [v for _, v in pairs]
-    if not fused_apply_supported(optimizer, variables):
+    # Keras updates the slots of a sparse (IndexedSlices) gradient differently from a
+    # dense one; the fused kernels take dense gradients, so such steps keep Keras's path.
+    if not fused_apply_supported(optimizer, variables) or any(isinstance(g, tf.IndexedSlices) for g, _ in pairs):
         _original_apply(optimizer, pairs)
         return
-    import tensorflow as tf
 
     kind = _keras_kind(optimizer)
     lr_value = _prepare(optimizer, variables)
