@@ -56,12 +56,14 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(WORKERS / "resume_worker.py"), str(killed), "10", "16"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 17, proc.stdout + proc.stderr
-    assert [s for s, _ in CheckpointManager(str(killed)).checkpoints()] == [4, 8]
-    # The checkpoint of step 8 holds the input's position: the resumed run goes on from it.
-    assert CheckpointManager(str(killed)).load_inputs(str(killed / "ckpt-000000008"))[0]
-    resumed = common.train_weights(None, "adam", 16, model_dir=str(killed), save_every=4, n=64)
-    straight = common.train_weights(None, "adam", 16, model_dir=str(tmp_path / "straight"), save_every=4, n=64)
-    assert int(resumed.pop("__steps_run__")) == 8 and int(straight.pop("__steps_run__")) == 16
+    assert [s for s, _ in CheckpointManager(str(killed)).checkpoints()] == [3, 6, 9]
+    # The checkpoint of step 9 (mid-epoch: 4 batches per epoch, reshuffled every epoch)
+    # holds the input's position: the resumed run goes on from it.
+    assert CheckpointManager(str(killed)).load_inputs(str(killed / "ckpt-000000009"))[0]
+    resumed = common.train_weights(None, "adam", 16, model_dir=str(killed), save_every=3, n=64, shuffle=True)
+    straight = common.train_weights(None, "adam", 16, model_dir=str(tmp_path / "straight"), save_every=3, n=64,
+                                    shuffle=True)
+    assert int(resumed.pop("__steps_run__")) == 7 and int(straight.pop("__steps_run__")) == 16
     assert sorted(resumed) == sorted(straight)
     assert int(resumed["adam/iteration"]) == 16
     for key in straight:

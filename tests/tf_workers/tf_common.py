@@ -27,14 +27,20 @@ def dataset_arrays(n: int = 512, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
     return x, y
 
 
-def make_input_fn(global_batch: int = GLOBAL_BATCH, n: int = 512, repeat: bool = True) -> Any:
-    """Batches of ``global_batch`` examples; each worker takes its contiguous slice."""
+def make_input_fn(global_batch: int = GLOBAL_BATCH, n: int = 512, repeat: bool = True,
+                  shuffle: bool = False) -> Any:
+    """Batches of ``global_batch`` examples; each worker takes its contiguous slice.
+    ``shuffle``: the examples in a seeded order, a new one every epoch (equal on every
+    worker)."""
     import tensorflow as tf
 
     x, y = dataset_arrays(n)
 
     def input_fn(mode: str, input_context: Any = None) -> Any:
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        if shuffle:
+            ds = ds.shuffle(n, seed=3, reshuffle_each_iteration=True)
+        ds = ds.batch(global_batch, drop_remainder=True)
         if input_context is not None and input_context.num_input_pipelines > 1:
             per = input_context.get_per_replica_batch_size(global_batch)
             lo = input_context.input_pipeline_id * per
@@ -85,7 +91,8 @@ def mlp_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
 
 def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | None = None,
                   save_every: int | None = None, kill_at: int | None = None, global_batch: int = GLOBAL_BATCH,
-                  timeline_dir: str | None = None, depth: int = 2, n: int = 512) -> dict[str, np.ndarray]:
+                  timeline_dir: str | None = None, depth: int = 2, n: int = 512,
+                  shuffle: bool = False) -> dict[str, np.ndarray]:
     """Train ``steps`` steps; return every variable. ``kill_at`` ends the process hard
     right after that step (after its checkpoint, if one is due). ``optimizer`` may end
     in ``@once`` for ``RunConfig(host_apply="once")`` (default: per gradient)."""
@@ -107,7 +114,7 @@ def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | No
                     est._save()
                 os._exit(17)
         hooks.append(die)
-    est.train(make_input_fn(global_batch, n), max_steps=steps, hooks=hooks)
+    est.train(make_input_fn(global_batch, n, shuffle=shuffle), max_steps=steps, hooks=hooks)
     weights = est.get_variables()
     metrics = est.evaluate(make_input_fn(global_batch, repeat=False), steps=4)
     weights["__eval_loss__"] = np.array(metrics["loss"])
