@@ -316,6 +316,7 @@ def run_workers(
     out_lock, err_lock = threading.Lock(), threading.Lock()
     pipe = subprocess.PIPE if prefix else None
     code = 0
+    final = ""
     try:
         for index in range(num_workers):
             if received:
@@ -366,10 +367,9 @@ def run_workers(
                 error = job.error_of(index)
                 if error:
                     how += f" ({error})"
-                if remaining:
-                    _message(f"worker {index} {how}; stopping the other workers")
-                else:
-                    _message(f"worker {index} {how}")
+                # Said once the others are stopped, so that it is the job's last line and
+                # not lost among the other workers' tracebacks.
+                final = f"worker {index} {how}" + ("; the other workers were stopped" if remaining else "")
                 return code
         if received:
             code = 128 + received[0]
@@ -378,5 +378,7 @@ def run_workers(
     finally:
         seen = len(received)
         job.stop(grace_period, hurry=lambda: len(received) > seen)
+        if final:
+            _message(final)
         for signum, handler in previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
