@@ -67,6 +67,10 @@ class Config:
             its rank skips the negotiation through rank 0 when every rank submits the
             same collective: the ranks agree through shared memory and the calling
             threads run it (see ``reducers/ring/reducer.py``).
+        compression: the default wire compression of all-reduce, reduce-scatter and
+            reduce: ``none``, ``fp16`` or ``bf16`` (float arrays travel and are summed in
+            16 bits; see ``reducers/compression.py``). A collective's own
+            ``compression=`` wins.
     """
 
     reducer: str = "ring"
@@ -82,6 +86,7 @@ class Config:
     single_copy: bool = True
     tune_malloc: bool = True
     fast_lane: bool = True
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if self.reducer not in _REDUCERS:
@@ -102,6 +107,9 @@ class Config:
                 raise ConfigError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ConfigError("`secret` must be a non-empty string or None. Received: an empty or non-string value")
+        if self.compression not in ("none", "fp16", "bf16"):
+            raise ConfigError(f"`compression` must be one of ['none', 'fp16', 'bf16']. "
+                              f"Received: compression={self.compression!r}")
         if self.log_level and self.log_level.upper() not in _LOG_LEVELS:
             raise ConfigError(f"`log_level` must be one of {_LOG_LEVELS}. Received: log_level={self.log_level!r}")
 

@@ -40,8 +40,8 @@ def test_name_dtype_op_root_and_timeout_are_checked(reducer):
         reducer.allreduce("", np.ones(1, np.float32))
     with pytest.raises(ConfigError, match="dtype must be one of .* Received: dtype=uint8"):
         reducer.broadcast("b", np.ones(1, np.uint8))
-    with pytest.raises(ConfigError, match="`op` must be one of .* Received: op='prod'"):
-        reducer.allreduce("x", np.ones(1, np.float32), op="prod")
+    with pytest.raises(ConfigError, match="`op` must be one of .* Received: op='xor'"):
+        reducer.allreduce("x", np.ones(1, np.float32), op="xor")
     with pytest.raises(ConfigError, match=r"`root` must be an integer in \[0, 1\). Received: root=1"):
         reducer.broadcast("b", np.ones(1, np.float32), root=1)
     with pytest.raises(ConfigError, match="`timeout` must be a number > 0 or None. Received: timeout=0"):

@@ -70,6 +70,9 @@ def numpy_reduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     if op is ReduceOp.MEAN:
         total = np.sum(wide, axis=0)
         return total // len(inputs) if inputs[0].dtype.kind in "iu" else total / len(inputs)
+    if op is ReduceOp.PROD:  # integers wrap around as the engines' do
+        return np.prod(wide, axis=0, dtype=None if inputs[0].dtype.kind == "f" or inputs[0].dtype.name == "bfloat16"
+                       else inputs[0].dtype)
     return (np.min if op is ReduceOp.MIN else np.max)(wide, axis=0)
 
 

@@ -1,34 +1,42 @@
 """The one interface every reduction engine implements, and the registry of engines.
 
-A reducer all-reduces, broadcasts and all-gathers named numpy arrays that live in host
-memory. Collectives are asynchronous: ``allreduce_async`` returns a :class:`Handle`
-whose ``wait()`` gives the result. All ranks must submit the same names with the same
-shape, dtype and op; engines that can detect a disagreement raise
-``TensorMismatchError`` on every rank.
+A reducer runs collectives over named numpy arrays that live in host memory:
+all-reduce, broadcast, all-gather, reduce-scatter, reduce, all-to-all (with per-rank
+splits), point-to-point send/receive and barrier, on the whole job or on a process
+group (``groups.py``). Collectives are asynchronous: ``allreduce_async`` returns a
+:class:`Handle` whose ``wait()`` gives the result. All members must submit the same
+names with the same shape, dtype, op and group; engines that can detect a disagreement
+raise ``TensorMismatchError`` on every member.
 
 The base class owns the contract every engine shares, so that each engine is written
 against checked arguments only: the checks of ``name``, dtype, ``op``, ``out=``,
-``root`` and ``timeout``, refusing work once closed, a 0-d all-gather input taken as
-one row, and the meaning of ``mean`` (integers: floor division) and of float16 and
-bfloat16 in engines that reduce them in float32 (rounded back once). A job always ends:
-see ``_job_end.py`` for how live reducers are closed at exit.
+``root``, splits, groups and ``timeout`` (``_args.py``), refusing work once closed, a
+0-d all-gather input taken as one row, wire compression (``compression.py``), and the
+meaning of ``mean`` (integers: floor division) and of float16 and bfloat16 in engines
+that reduce them in float32 (rounded back once). A job always ends: see ``_job_end.py``
+for how live reducers are closed at exit.
 """
 from __future__ import annotations
 
 import abc
-import enum
-import threading
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, CollectiveTimeoutError, ReducerClosedError
+from ..errors import ConfigError, ReducerClosedError
 from . import _job_end
+from ._args import (SUPPORTED_DTYPES, ReduceOp, apply_mean, check_array, check_counts, check_out, even_counts,
+                    is_low_precision)
 from ._job_end import _close_live_at_exit  # noqa: F401 - the exit hook, reached through this module
+from .compression import compressed, parse_compression, wire_dtype
+from .groups import Group, make_group
+from .handle import Handle
+from .registry import available_reducers, create_reducer, register_reducer
 
 __all__ = [
     "ReduceOp",
     "Handle",
+    "Group",
     "Reducer",
     "register_reducer",
     "create_reducer",
@@ -41,157 +49,30 @@ __all__ = [
 ]
 
 
-class ReduceOp(str, enum.Enum):
-    SUM = "sum"
-    MEAN = "mean"
-    MIN = "min"
-    MAX = "max"
-
-    @classmethod
-    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
-        if isinstance(op, ReduceOp):
-            return op
-        try:
-            return cls(str(op).lower())
-        except ValueError:
-            raise ConfigError(
-                f"`op` must be one of {[o.value for o in cls]}. Received: op={op!r}"
-            ) from None
-
-
-def _supported_dtypes() -> tuple[np.dtype, ...]:
-    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")]
-    try:  # bfloat16 comes from ml_dtypes (a TensorFlow dependency), when present.
-        import ml_dtypes
-
-        dtypes.append(np.dtype(ml_dtypes.bfloat16))
-    except ImportError:  # pragma: no cover - ml_dtypes ships with TensorFlow
-        pass
-    return tuple(dtypes)
-
-
-SUPPORTED_DTYPES: tuple[np.dtype, ...] = _supported_dtypes()
-
-
-def check_array(name: Any, array: Any) -> np.ndarray:
-    """Validate a collective's arguments; return the array as a numpy array."""
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"`name` must be a non-empty string. Received: name={name!r}")
-    arr = np.asarray(array)
-    if arr.dtype not in SUPPORTED_DTYPES:
-        raise ConfigError(
-            f"Tensor {name!r}: dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}. "
-            f"Received: dtype={arr.dtype}"
-        )
-    return arr
-
-
-def check_out(name: str, arr: np.ndarray, out: Any, contiguous: bool = False) -> None:
-    """Validate an all-reduce's ``out=``: a writeable array of ``arr``'s shape and dtype
-    (and C-contiguous, for engines that write the result through a flat view)."""
-    if out is None:
-        return
-    layout = ", C-contiguous" if contiguous else ""
-    if (not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype
-            or not out.flags.writeable or (contiguous and not out.flags.c_contiguous)):
-        flags = ""
-        if isinstance(out, np.ndarray):
-            flags = "".join([", read-only" if not out.flags.writeable else "",
-                             ", not C-contiguous" if contiguous and not out.flags.c_contiguous else ""])
-        raise ConfigError(
-            f"Tensor {name!r}: `out` must be a writeable numpy array of shape {arr.shape} and dtype "
-            f"{arr.dtype}{layout}. Received: {type(out).__name__} with shape={getattr(out, 'shape', None)}, "
-            f"dtype={getattr(out, 'dtype', None)}{flags}"
-        )
-
-
-def is_low_precision(dtype: np.dtype) -> bool:
-    """float16 and bfloat16: engines without a reduction for them reduce in float32 and
-    round back once, so every rank gets the same, once-rounded result."""
-    return (dtype.kind == "f" and dtype.itemsize == 2) or dtype.name == "bfloat16"
-
-
-def apply_mean(buf: np.ndarray, op: "ReduceOp", size: int) -> None:
-    """Turn a sum into a mean in place (floor division for integers)."""
-    if op is ReduceOp.MEAN and size > 1 and buf.size:
-        if buf.dtype.kind in "iu":
-            np.floor_divide(buf, size, out=buf)
-        else:
-            np.divide(buf, buf.dtype.type(size), out=buf)
-
-
-class Handle:
-    """A collective in flight. ``wait()`` returns its result or raises its error."""
-
-    __slots__ = ("name", "_event", "_result", "_error", "_callbacks", "_lock")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._event = threading.Event()
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[["Handle"], None]] = []
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not self._event.wait(timeout):
-            raise CollectiveTimeoutError(
-                f"Collective {self.name!r} did not complete within timeout={timeout} s"
-            )
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def wait_done(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds; whether the collective has finished (no raise)."""
-        return self._event.wait(timeout)
-
-    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    # Engines complete handles through these two methods.
-    def set_result(self, result: Any) -> None:
-        self._finish(result, None)
-
-    def set_error(self, error: BaseException) -> None:
-        self._finish(None, error)
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._result, self._error = result, error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
-
-
 class Reducer(abc.ABC):
     """Collectives over host-resident numpy arrays.
 
     ``rank`` and ``size`` describe the job; results are identical on every rank. The
     public methods check their arguments and then call what a subclass implements, with
-    a numpy array of a supported dtype, a parsed ``ReduceOp``, a valid ``out`` and
-    ``root``: ``_allreduce_async``, ``_broadcast_async``, ``_allgather_async`` (the
-    array has at least one dimension), ``_barrier`` and ``_close``. An engine with a
-    faster path for a blocking all-reduce overrides ``_allreduce``; one that can tell
-    its peers why it stops overrides ``_close_failed``.
+    a numpy array of a supported dtype, a parsed ``ReduceOp``, a valid ``out``, ``root``
+    and splits (in group ranks), and a :class:`Group` of which this rank is a member
+    (``self.world`` when none is given): ``_allreduce_async``, ``_broadcast_async``,
+    ``_allgather_async`` (the array has at least one dimension), ``_reduce_scatter_async``,
+    ``_reduce_async``, ``_alltoall_async``, ``_send_async``, ``_recv_async``,
+    ``_barrier`` and ``_close``; ``_create_group``/``_destroy_group`` where a group needs
+    engine state. An engine with a faster path for a blocking all-reduce overrides
+    ``_allreduce``; one that can tell its peers why it stops overrides ``_close_failed``.
     """
 
     name: ClassVar[str] = ""
     # Whether ``out=`` must be C-contiguous (engines that write through a flat view).
     out_contiguous: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, compression: Any = "none") -> None:
         self._closed = False
+        self._compression = parse_compression(compression)
+        self._groups: dict[tuple[int, ...], Group] = {}
+        self._world: Group | None = None
 
     @property
     @abc.abstractmethod
@@ -201,66 +82,256 @@ class Reducer(abc.ABC):
     @abc.abstractmethod
     def size(self) -> int: ...
 
+    # ------------------------------------------------------------------ groups
+    @property
+    def world(self) -> Group:
+        """The group of every rank of the job."""
+        if self._world is None:
+            self._world = Group(tuple(range(self.size)), self.rank)
+        return self._world
+
+    def create_group(self, ranks: Iterable[int]) -> Group:
+        """A process group of ``ranks`` (world ranks). Every member calls it (engines
+        whose groups need every rank, Horovod's, say so); creating the same ranks again
+        gives the same group."""
+        self._check_open()
+        group = make_group(ranks, self.rank, self.size)
+        if group.ranks == self.world.ranks:
+            return self.world
+        if group.ranks not in self._groups:
+            self._groups[group.ranks] = self._create_group(group)
+        return self._groups[group.ranks]
+
+    def destroy_group(self, group: Group) -> None:
+        """Release ``group``; its collectives are refused afterwards."""
+        self._check_open()
+        if not isinstance(group, Group) or self._groups.get(group.ranks) is not group:
+            raise ConfigError(f"`group` must be a live group made by this reducer's create_group (the world group "
+                              f"cannot be destroyed). Received: group={group!r}")
+        del self._groups[group.ranks]
+        self._destroy_group(group)
+
+    def _create_group(self, group: Group) -> Group:
+        return group
+
+    def _destroy_group(self, group: Group) -> None:
+        pass
+
+    def _group(self, group: Any) -> Group:
+        if group is None:
+            return self.world
+        if not isinstance(group, Group) or (group is not self.world and self._groups.get(group.ranks) is not group):
+            raise ConfigError(f"`group` must be None (the world) or a live group made by this reducer's "
+                              f"create_group. Received: group={group!r}")
+        if not group.is_member:
+            raise ConfigError(f"Rank {self.rank} is not a member of {group}: only its members run its collectives. "
+                              f"Received: group={group!r}")
+        return group
+
+    def _group_rank(self, arg: str, value: Any, group: Group) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < group.size:
+            where = "" if group.size == self.size else f" (a rank of {group})"
+            raise ConfigError(f"`{arg}` must be an integer in [0, {group.size}){where}. Received: {arg}={value!r}")
+        return value
+
+    # ------------------------------------------------------------------ collectives
     def allreduce_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
-                        out: np.ndarray | None = None) -> Handle:
+                        out: np.ndarray | None = None, group: Group | None = None,
+                        compression: str | None = None) -> Handle:
         """Start an all-reduce of ``array``; the handle's result has its shape and dtype.
 
         ``out`` (optional) receives the result and may be ``array`` itself (in place).
-        Integer ``mean`` rounds toward negative infinity.
+        Integer ``mean`` rounds toward negative infinity. ``compression``: "fp16" or
+        "bf16" sends float arrays in 16 bits (default: the reducer's).
         """
-        return self._allreduce_async(name, *self._check_allreduce(name, array, op, out))
+        arr, rop, out, grp = self._check_allreduce(name, array, op, out, group)
+        wire = self._wire(arr, compression)
+        if wire is not None:
+            return compressed(name, arr, wire, out, lambda a: self._allreduce_async(name, a, rop, None, grp))
+        return self._allreduce_async(name, arr, rop, out, grp)
 
-    def broadcast_async(self, name: str, array: np.ndarray, root: int = 0) -> Handle:
-        """Start a broadcast of ``root``'s ``array`` (same shape and dtype everywhere)."""
+    def broadcast_async(self, name: str, array: np.ndarray, root: int = 0, group: Group | None = None) -> Handle:
+        """Start a broadcast of ``root``'s ``array`` (same shape and dtype everywhere;
+        ``root`` is a rank of ``group``)."""
         self._check_open()
         arr = check_array(name, array)
-        return self._broadcast_async(name, arr, self._check_root(root))
+        grp = self._group(group)
+        return self._broadcast_async(name, arr, self._group_rank("root", root, grp), grp)
 
-    def allgather_async(self, name: str, array: np.ndarray) -> Handle:
+    def allgather_async(self, name: str, array: np.ndarray, group: Group | None = None) -> Handle:
         """Start an all-gather: every rank's array concatenated along axis 0 in rank
         order. Arrays must agree in dtype and in every dimension but the first."""
         self._check_open()
         arr = check_array(name, array)
-        return self._allgather_async(name, arr.reshape(1) if arr.ndim == 0 else arr)
+        return self._allgather_async(name, arr.reshape(1) if arr.ndim == 0 else arr, self._group(group))
 
-    def barrier(self, timeout: float | None = None) -> None:
-        """Block until every rank has entered the barrier (at most ``timeout`` seconds,
-        where the engine bounds it)."""
+    def reduce_scatter_async(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
+                             counts: Sequence[int] | None = None, group: Group | None = None,
+                             compression: str | None = None) -> Handle:
+        """Start a reduce-scatter: the arrays are reduced and rank r of ``group`` gets
+        rows ``counts[r]`` of the result (split along axis 0; default: near-equal
+        parts, the first ranks one row more, as Horovod splits)."""
+        arr, rop, _, grp = self._check_allreduce(name, array, op, None, group)
+        if arr.ndim == 0:
+            raise ConfigError(f"Tensor {name!r}: a reduce-scatter splits axis 0; the array needs at least one "
+                              f"dimension. Received: shape={arr.shape}")
+        rows = arr.shape[0]
+        cnt = even_counts(rows, grp.size) if counts is None else check_counts(name, "counts", counts, grp.size, rows)
+        wire = self._wire(arr, compression)
+        if wire is not None:
+            return compressed(name, arr, wire, None, lambda a: self._reduce_scatter_async(name, a, rop, cnt, grp))
+        return self._reduce_scatter_async(name, arr, rop, cnt, grp)
+
+    def reduce_async(self, name: str, array: np.ndarray, root: int = 0, op: ReduceOp | str = ReduceOp.SUM,
+                     group: Group | None = None, compression: str | None = None) -> Handle:
+        """Start a reduction to ``root`` (a rank of ``group``): its handle gives the
+        result there and None on the other ranks."""
+        arr, rop, _, grp = self._check_allreduce(name, array, op, None, group)
+        r = self._group_rank("root", root, grp)
+        wire = self._wire(arr, compression)
+        if wire is not None:
+            return compressed(name, arr, wire, None, lambda a: self._reduce_async(name, a, rop, r, grp))
+        return self._reduce_async(name, arr, rop, r, grp)
+
+    def alltoall_async(self, name: str, array: np.ndarray, splits: Sequence[int] | None = None,
+                       group: Group | None = None) -> Handle:
+        """Start an all-to-all: rows ``splits[j]`` of ``array`` (in order along axis 0)
+        go to rank j of ``group`` (default: equal parts). The handle gives
+        ``(received, received_splits)``: what every rank sent here, concatenated in
+        rank order, and how many rows came from each."""
+        self._check_open()
+        arr = check_array(name, array)
+        grp = self._group(group)
+        if arr.ndim == 0:
+            raise ConfigError(f"Tensor {name!r}: an all-to-all splits axis 0; the array needs at least one "
+                              f"dimension. Received: shape={arr.shape}")
+        rows = arr.shape[0]
+        if splits is None:
+            if rows % grp.size:
+                raise ConfigError(f"Tensor {name!r}: without `splits` the first dimension must divide evenly among "
+                                  f"the {grp.size} ranks. Received: shape={arr.shape}")
+            cnt = [rows // grp.size] * grp.size
+        else:
+            cnt = check_counts(name, "splits", splits, grp.size, rows)
+        return self._alltoall_async(name, arr, cnt, grp)
+
+    def send_async(self, name: str, array: np.ndarray, dst: int, group: Group | None = None) -> Handle:
+        """Start sending ``array`` to rank ``dst`` of ``group``, which receives it with
+        ``recv_async`` under the same name. The handle completes (with None) once the
+        data is on its way; ``array`` must not change before then."""
+        self._check_open()
+        arr = check_array(name, array)
+        grp = self._group(group)
+        d = self._group_rank("dst", dst, grp)
+        if d == grp.rank:
+            raise ConfigError(f"Tensor {name!r}: `dst` must be another rank than this one. Received: dst={dst}")
+        return self._send_async(name, arr, d, grp)
+
+    def recv_async(self, name: str, src: int, shape: Sequence[int], dtype: Any,
+                   group: Group | None = None) -> Handle:
+        """Start receiving the array that rank ``src`` of ``group`` sends under
+        ``name``; ``shape`` and ``dtype`` must be the sent array's."""
+        self._check_open()
+        try:
+            shp = tuple(int(d) for d in shape)
+            if any(d < 0 for d in shp):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(f"Tensor {name!r}: `shape` must be a sequence of non-negative integers. "
+                              f"Received: shape={shape!r}") from None
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        template = check_array(name, np.empty(0, dt if dt is not None else np.uint8))
+        grp = self._group(group)
+        s = self._group_rank("src", src, grp)
+        if s == grp.rank:
+            raise ConfigError(f"Tensor {name!r}: `src` must be another rank than this one. Received: src={src}")
+        return self._recv_async(name, shp, template.dtype, s, grp)
+
+    def barrier(self, timeout: float | None = None, group: Group | None = None) -> None:
+        """Block until every rank of ``group`` has entered the barrier (at most
+        ``timeout`` seconds, where the engine bounds it)."""
         self._check_open()
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or timeout <= 0):
             raise ConfigError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
-        self._barrier(timeout)
+        self._barrier(timeout, self._group(group))
 
     # Blocking conveniences.
     def allreduce(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
-                  out: np.ndarray | None = None) -> np.ndarray:
-        return self._allreduce(name, *self._check_allreduce(name, array, op, out))
+                  out: np.ndarray | None = None, group: Group | None = None,
+                  compression: str | None = None) -> np.ndarray:
+        arr, rop, out, grp = self._check_allreduce(name, array, op, out, group)
+        if self._wire(arr, compression) is not None:
+            return self.allreduce_async(name, arr, rop, out, grp, compression).wait()
+        return self._allreduce(name, arr, rop, out, grp)
 
-    def broadcast(self, name: str, array: np.ndarray, root: int = 0) -> np.ndarray:
-        return self.broadcast_async(name, array, root).wait()
+    def broadcast(self, name: str, array: np.ndarray, root: int = 0, group: Group | None = None) -> np.ndarray:
+        return self.broadcast_async(name, array, root, group).wait()
 
-    def allgather(self, name: str, array: np.ndarray) -> np.ndarray:
-        return self.allgather_async(name, array).wait()
+    def allgather(self, name: str, array: np.ndarray, group: Group | None = None) -> np.ndarray:
+        return self.allgather_async(name, array, group).wait()
+
+    def reduce_scatter(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,
+                       counts: Sequence[int] | None = None, group: Group | None = None,
+                       compression: str | None = None) -> np.ndarray:
+        return self.reduce_scatter_async(name, array, op, counts, group, compression).wait()
+
+    def reduce(self, name: str, array: np.ndarray, root: int = 0, op: ReduceOp | str = ReduceOp.SUM,
+               group: Group | None = None, compression: str | None = None) -> np.ndarray | None:
+        return self.reduce_async(name, array, root, op, group, compression).wait()
+
+    def alltoall(self, name: str, array: np.ndarray, splits: Sequence[int] | None = None,
+                 group: Group | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self.alltoall_async(name, array, splits, group).wait()
+
+    def send(self, name: str, array: np.ndarray, dst: int, group: Group | None = None) -> None:
+        self.send_async(name, array, dst, group).wait()
+
+    def recv(self, name: str, src: int, shape: Sequence[int], dtype: Any, group: Group | None = None) -> np.ndarray:
+        return self.recv_async(name, src, shape, dtype, group).wait()
 
     # What engines implement, with checked arguments.
     @abc.abstractmethod
-    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> Handle: ...
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                         group: Group) -> Handle: ...
 
     @abc.abstractmethod
-    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle: ...
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle: ...
 
     @abc.abstractmethod
-    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle: ...
+    def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle: ...
 
     @abc.abstractmethod
-    def _barrier(self, timeout: float | None) -> None: ...
+    def _barrier(self, timeout: float | None, group: Group) -> None: ...
 
     @abc.abstractmethod
     def _close(self) -> None: ...
 
-    def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
-        return self._allreduce_async(name, arr, op, out).wait()
+    def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
+                              group: Group) -> Handle:
+        raise self._missing("reduce_scatter")
+
+    def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
+        raise self._missing("reduce")
+
+    def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
+        raise self._missing("alltoall")
+
+    def _send_async(self, name: str, arr: np.ndarray, dst: int, group: Group) -> Handle:
+        raise self._missing("send")
+
+    def _recv_async(self, name: str, shape: tuple[int, ...], dtype: np.dtype, src: int, group: Group) -> Handle:
+        raise self._missing("recv")
+
+    def _missing(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"The {self.name!r} reducer does not implement {what}")
+
+    def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                   group: Group) -> np.ndarray:
+        return self._allreduce_async(name, arr, op, out, group).wait()
 
     def close(self) -> None:
         """Release sockets, threads and buffers. Safe to call more than once."""
@@ -304,18 +375,17 @@ class Reducer(abc.ABC):
         if self._closed:
             raise ReducerClosedError(f"The {self.name!r} reducer is closed")
 
-    def _check_allreduce(self, name: str, array: Any, op: ReduceOp | str,
-                         out: Any) -> tuple[np.ndarray, ReduceOp, np.ndarray | None]:
+    def _check_allreduce(self, name: str, array: Any, op: ReduceOp | str, out: Any,
+                         group: Any) -> tuple[np.ndarray, ReduceOp, np.ndarray | None, Group]:
         self._check_open()
         arr = check_array(name, array)
         rop = ReduceOp.parse(op)
         check_out(name, arr, out, self.out_contiguous)
-        return arr, rop, out
+        return arr, rop, out, self._group(group)
 
-    def _check_root(self, root: Any) -> int:
-        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
-            raise ConfigError(f"`root` must be an integer in [0, {self.size}). Received: root={root!r}")
-        return root
+    def _wire(self, arr: np.ndarray, compression: str | None) -> np.dtype | None:
+        """The 16-bit dtype ``arr`` travels as under ``compression`` (None: as it is)."""
+        return wire_dtype(self._compression if compression is None else parse_compression(compression), arr.dtype)
 
     def __enter__(self) -> "Reducer":
         return self
@@ -325,45 +395,3 @@ class Reducer(abc.ABC):
             self.close()
         else:  # the block failed: peers learn why at once
             self._abort(_job_end.describe_exception(exc))
-
-
-_R = TypeVar("_R", bound=type)
-_REGISTRY: dict[str, Callable[..., Reducer]] = {}
-
-
-def register_reducer(name: str) -> Callable[[_R], _R]:
-    """Class decorator: make a reducer available to :func:`create_reducer` by ``name``."""
-
-    def deco(cls: _R) -> _R:
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
-
-
-# Built-in engines, imported on first use so that a job pays only for the engine it runs.
-_BUILTIN = {"local": ".local", "ring": ".ring.reducer", "mpi": ".mpi", "horovod": ".horovod"}
-
-
-def available_reducers() -> tuple[str, ...]:
-    return tuple(sorted(set(_REGISTRY) | set(_BUILTIN)))
-
-
-def create_reducer(name: str | None = None, cluster: Any = None, config: Any = None, **kwargs: Any) -> Reducer:
-    """Create a reducer by registry name (default: ``config.reducer``).
-
-    ``cluster`` is a ``ClusterSpec`` (resolved from the environment when None) and
-    ``config`` a ``Config`` (from ``HOSTREDUCE_*`` variables when None).
-    """
-    from ..config import Config
-
-    config = Config.from_env() if config is None else config
-    name = config.reducer if name is None else name
-    if name not in _REGISTRY and name in _BUILTIN:
-        import importlib
-
-        importlib.import_module(_BUILTIN[name], __package__)  # registers the class
-    if name not in _REGISTRY:
-        raise ConfigError(f"`reducer` must be one of {list(available_reducers())}. Received: reducer={name!r}")
-    return _REGISTRY[name](cluster=cluster, config=config, **kwargs)

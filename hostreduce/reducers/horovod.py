@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import ConfigError, HostReduceError
 from ._job_end import add_job_abort, exit_at_once
 from ._serial import SerialWorker
-from .base import Handle, ReduceOp, Reducer, apply_mean, is_low_precision, register_reducer
+from .base import Group, Handle, ReduceOp, Reducer, apply_mean, is_low_precision, register_reducer
 
 __all__ = ["HorovodReducer", "HorovodUnavailableError", "import_horovod"]
 
@@ -91,10 +91,10 @@ class HorovodReducer(Reducer):
     """
 
     def __init__(self, cluster: Any = None, config: Any = None) -> None:
-        super().__init__()
         from ..config import Config
 
         self._config = Config.from_env() if config is None else config
+        super().__init__(compression=self._config.compression)
         self._hvd = hvd = import_horovod()
         import tensorflow as tf
 
@@ -106,7 +106,7 @@ class HorovodReducer(Reducer):
         ):
             _log.warning("Cluster spec says rank %s of %s but Horovod says rank %s of %s; using Horovod's.",
                          getattr(cluster, "rank", None), getattr(cluster, "size", None), self._rank, self._size)
-        self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max}
+        self._ops = {ReduceOp.SUM: hvd.Sum, ReduceOp.MIN: hvd.Min, ReduceOp.MAX: hvd.Max, ReduceOp.PROD: hvd.Product}
         self._lock = threading.Lock()
         self._barriers = 0
         # One worker: concurrent eager Horovod ops would share one name and be rejected.
@@ -126,18 +126,27 @@ class HorovodReducer(Reducer):
         return self._size
 
     # ------------------------------------------------------------------ collectives
-    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> Handle:
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                         group: Group) -> Handle:
+        self._world_only(group, "allreduce")
         return self._worker.submit(name, lambda _: self._run_allreduce(name, arr, op, out))
 
-    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle:
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
+        self._world_only(group, "broadcast")
         return self._worker.submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.broadcast(
             t, root_rank=root, name=_op_name("bc", name))).reshape(arr.shape))
 
-    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle:
+    def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
+        self._world_only(group, "allgather")
         return self._worker.submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.allgather(
             t, name=_op_name("ag", name))))
 
-    def _barrier(self, timeout: float | None) -> None:
+    def _world_only(self, group: Group, what: str) -> None:
+        if group is not self.world:
+            raise self._missing(f"{what} on a process group")
+
+    def _barrier(self, timeout: float | None, group: Group) -> None:
+        self._world_only(group, "barrier")
         """A barrier built from a one-element all-reduce (Horovod's TF API has none)."""
         with self._lock:
             self._barriers += 1

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import ConfigError, HostReduceError, TensorMismatchError
 from ._job_end import add_job_abort, flush_std_streams
 from ._serial import Deadline, SerialWorker
-from .base import Handle, ReduceOp, Reducer, apply_mean, is_low_precision, register_reducer
+from .base import Group, Handle, ReduceOp, Reducer, apply_mean, is_low_precision, register_reducer
 
 __all__ = ["MPIReducer"]
 
@@ -49,7 +49,7 @@ _NATIVE = {
     np.dtype(np.int32): "INT32_T",
     np.dtype(np.int64): "INT64_T",
 }
-_OPS = {ReduceOp.SUM: "SUM", ReduceOp.MEAN: "SUM", ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX"}
+_OPS = {ReduceOp.SUM: "SUM", ReduceOp.MEAN: "SUM", ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX", ReduceOp.PROD: "PROD"}
 
 # Polling: spin (yielding the GIL) for this long, then sleep in growing steps up to the cap.
 _SPIN_S = 0.05
@@ -80,10 +80,10 @@ class MPIReducer(Reducer):
     """
 
     def __init__(self, cluster: Any = None, config: Any = None, comm: Any = None) -> None:
-        super().__init__()
         from ..config import Config
 
         self._config = Config.from_env() if config is None else config
+        super().__init__(compression=self._config.compression)
         from ._mpi_select import check_single_libmpi, loaded_libmpi, pin_mpi4py_to
 
         if "mpi4py.MPI" not in sys.modules:
@@ -126,16 +126,25 @@ class MPIReducer(Reducer):
         return self._size
 
     # ------------------------------------------------------------------ collectives
-    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> Handle:
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                         group: Group) -> Handle:
+        self._world_only(group, "allreduce")
         return self._worker.submit(name, lambda deadline: self._run_allreduce(deadline, arr, op, out))
 
-    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle:
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
+        self._world_only(group, "broadcast")
         return self._worker.submit(name, lambda deadline: self._run_broadcast(deadline, arr, root))
 
-    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle:
+    def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
+        self._world_only(group, "allgather")
         return self._worker.submit(name, lambda deadline: self._run_allgather(deadline, name, arr))
 
-    def _barrier(self, timeout: float | None) -> None:
+    def _world_only(self, group: Group, what: str) -> None:
+        if group is not self.world:
+            raise self._missing(f"{what} on a process group")
+
+    def _barrier(self, timeout: float | None, group: Group) -> None:
+        self._world_only(group, "barrier")
         self._worker.submit("barrier", lambda deadline: self._wait(self._comm.Ibarrier(), deadline), timeout).wait()
 
     # ------------------------------------------------------------------ implementations

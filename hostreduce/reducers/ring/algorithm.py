@@ -43,7 +43,8 @@ def segment_bounds(n: int, parts: int) -> list[int]:
     return bounds
 
 
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+           ReduceOp.PROD: np.multiply}
 
 
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool = False) -> None:

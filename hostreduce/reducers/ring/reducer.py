@@ -29,7 +29,7 @@ import numpy as np
 
 from ...config import Config
 from ...errors import ConfigError, PeerLostError, ReducerClosedError
-from ..base import Handle, ReduceOp, Reducer, register_reducer
+from ..base import Group, Handle, ReduceOp, Reducer, register_reducer
 from .control import Control
 from .datapath import DataPath
 from .execution import Execution
@@ -58,11 +58,11 @@ class RingReducer(Reducer):
     out_contiguous = True  # results are written through flat views
 
     def __init__(self, cluster: Any = None, config: Config | None = None) -> None:
-        super().__init__()
         from ...cluster import resolve_cluster
 
         self._cluster = resolve_cluster() if cluster is None else cluster
         self._config = cfg = Config.from_env() if config is None else config
+        super().__init__(compression=cfg.compression)
         self._rank, self._size = rank, size = self._cluster.rank, self._cluster.size
         if cfg.log_level:
             logging.getLogger("hostreduce").setLevel(cfg.log_level.upper())
@@ -156,21 +156,31 @@ class RingReducer(Reducer):
         self._control.announce(entry, alone=in_flight == 1)
         return handle
 
-    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> PendingHandle:
+    def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                         group: Group | None = None) -> PendingHandle:
+        self._world_only(group, "allreduce")
         return self._submit(name, "allreduce", arr, out, op, 0)
 
-    def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
-        if self._lane is None:
-            return super()._allreduce(name, arr, op, out)
+    def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                   group: Group | None = None) -> np.ndarray:
+        if self._lane is None or (group is not None and group is not self.world):
+            return super()._allreduce(name, arr, op, out, group if group is not None else self.world)
         return self._lane.allreduce(name, arr, op, out)
 
-    def _broadcast_async(self, name: str, arr: np.ndarray, root: int) -> Handle:
+    def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
+        self._world_only(group, "broadcast")
         return self._submit(name, "broadcast", arr, None, ReduceOp.SUM, root)
 
-    def _allgather_async(self, name: str, arr: np.ndarray) -> Handle:
+    def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
+        self._world_only(group, "allgather")
         return self._submit(name, "allgather", arr, None, ReduceOp.SUM, 0)
 
-    def _barrier(self, timeout: float | None) -> None:
+    def _world_only(self, group: Group | None, what: str) -> None:
+        if group is not None and group is not self.world:
+            raise self._missing(f"{what} on a process group")
+
+    def _barrier(self, timeout: float | None, group: Group) -> None:
+        self._world_only(group, "barrier")
         self._barriers += 1
         handle = self._submit(f"__barrier__/{self._barriers}", "barrier", np.zeros(0, np.float32), None,
                               ReduceOp.SUM, 0)
