@@ -119,8 +119,8 @@ def _cases(r: Reducer, g: Group, tag: str) -> list[tuple[str, Callable[[], Any],
         ins = [data(w, dtype, (7, 2), name) for w in ranks]
         add(name, lambda nm=f"{tag}/{name}", x=ins[me]: r.reduce_async(nm, x, root=root, op="sum", group=g),
             (lambda got, a=ins: assert_close("reduce", got, a, "sum")) if me == root else _is_none, shared=False)
-    # All-to-all: rank i sends (i + j) % 3 rows to rank j (zeros included).
-    splits = [[(i + j) % 3 for j in range(n)] for i in range(n)]
+    # All-to-all: rank i sends (i + 2j + 1) % 3 rows to rank j (zeros included).
+    splits = [[(i + 2 * j + 1) % 3 for j in range(n)] for i in range(n)]
     ins = [data(w, f32, (sum(splits[i]), 4), "a2a") for i, w in enumerate(ranks)]
 
     def a2a_check(got: Any) -> None:
