@@ -519,7 +519,7 @@ def _targets(rows: list[dict], ratios: list[dict]) -> list[dict]:
                        "value": q["busbw_ratio"], "goal": f">= {goal}", "met": q["busbw_ratio"] >= goal})
     for row in rows:
         if (row["impl"] in RINGS and _collective(row["impl"]) == "allreduce"
-                and row["bytes"] == TARGETS["latency_size"] and row["np"] == TARGETS["latency_np"]:
+                and row["bytes"] == TARGETS["latency_size"] and row["np"] == TARGETS["latency_np"]):
             checks.append({"what": f"{row['impl']} latency, N={row['np']}, {row['size']} (ms)",
                            "value": row["time_ms"], "goal": f"< {TARGETS['latency_max_ms']}",
                            "met": row["time_ms"] < TARGETS["latency_max_ms"]})
