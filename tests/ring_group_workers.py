@@ -82,3 +82,37 @@ def die_in_new_collectives(rank: int, size: int, transport: str, victim: int) ->
         return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
     finally:
         r.close()
+
+
+def prod_on_every_path(rank: int, size: int, transport: str) -> dict:
+    """prod through the blocking all-reduce (the fast lane on one host), a small
+    all-reduce (reduced by rank 0 over gRPC), a large one, reduce-scatter and reduce."""
+    with make_reducer(transport) as r:
+        small, large = np.full(7, rank + 2, np.int64), np.full(100_000, 1.0 + rank / 8, np.float64)
+        got = [r.allreduce(f"lane{i}", small, "prod") for i in range(5)]
+        got.append(r.allreduce_async("small", small, "prod").wait())
+        big = r.allreduce_async("large", large, "prod").wait()
+        rs = r.reduce_scatter("rs", large, "prod")
+        red = r.reduce("red", small, root=size - 1, op="prod")
+        expect = float(np.prod([1.0 + q / 8 for q in range(size)]))
+        return {"ints": [int(g[0]) for g in got] + ([int(red[0])] if red is not None else []),
+                "floats": [float(big[0]), float(rs[0])], "expect": expect, "stats": r.stats()}
+
+
+def group_waits(rank: int, size: int, transport: str, case: str) -> str:
+    """``stall``: only rank 0 submits on group [0, 1]; ``unmatched``: groups [0, 1] and
+    [2, 3] each submit a different name per rank. Neither may hang."""
+    with make_reducer(transport, timeout_s=2.0) as r:
+        g = r.create_group([0, 1] if rank < 2 else [2, 3])
+        start = time.monotonic()
+        if case == "stall":
+            if rank == 0:
+                err = _error(lambda: r.allreduce("lonely", np.ones(3, np.float32), group=g))
+            else:  # not waiting on anything meanwhile (then all would be blocked: unmatched)
+                time.sleep(3.5)
+                err = "idle"
+        else:
+            err = _error(lambda: r.allreduce(f"n{rank}", np.ones(3, np.float32), group=g))
+        took = time.monotonic() - start
+        r.barrier()
+        return f"{took:.1f} s: {err}"

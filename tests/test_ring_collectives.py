@@ -51,3 +51,27 @@ def test_a_dead_peer_in_the_new_collectives_is_named_on_every_survivor(size, vic
             assert o.startswith("PeerLostError"), f"rank {r}: {o}"
             assert f"rank {victim}" in o.split("s: ", 1)[1], f"rank {r}: {o}"
             assert float(o.split(" after ")[1].split("s:")[0]) < 10.0, f"rank {r}: {o}"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_prod_on_every_path(transport):
+    outs = run_ranks(w.prod_on_every_path, 2, args=(transport,), timeout=60)
+    for o in outs:
+        assert all(v == 6 for v in o["ints"]) and len(o["ints"]) in (6, 7), o
+        assert o["floats"] == [pytest.approx(o["expect"])] * 2, o
+    if transport == "shm":
+        assert all(o["stats"].get("fast_lane", 0) >= 1 for o in outs)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case,error", [("stall", "CollectiveTimeoutError"), ("unmatched", "UnmatchedCollectiveError")])
+def test_group_collectives_that_cannot_complete_fail_instead_of_hanging(case, error):
+    outs = run_ranks(w.group_waits, 4, args=("shm", case), timeout=60)
+    for r, o in enumerate(outs):
+        took, _, err = o.partition(" s: ")
+        if case == "stall" and r != 0:
+            assert err == "idle"
+            continue
+        assert err.startswith(error), f"rank {r}: {o}"
+        assert float(took) < 5.0, f"rank {r}: {o}"

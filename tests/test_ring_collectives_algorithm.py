@@ -86,10 +86,12 @@ def test_reduce_scatter_gives_each_rank_its_rows_of_the_reduction(wg, rows, inne
     inputs = {gi: make_inputs(len(g), rows * inner, dtype, seed + gi) for gi, g in enumerate(groups)}
 
     def fn(gi, me, link):
-        buf = inputs[gi][me].copy()
+        src = inputs[gi][me].copy()
         bounds = collectives.offsets([c * inner for c in counts[gi]])
-        collectives.ring_reduce_scatter(buf, bounds, me, len(groups[gi]), link, op, chunk, tag=5)
-        return buf[bounds[me]:bounds[me + 1]]
+        out = np.empty(bounds[me + 1] - bounds[me], dtype)
+        collectives.ring_reduce_scatter(src, out, bounds, me, len(groups[gi]), link, op, chunk, tag=5)
+        assert src.tobytes() == inputs[gi][me].tobytes()  # the input is not written
+        return out
 
     got = run_groups(world, groups, fn)
     for gi, g in enumerate(groups):
@@ -107,9 +109,9 @@ def test_reduce_leaves_the_reduction_on_the_root_only(wg, n, dtype, op, chunk, s
     inputs = {gi: make_inputs(len(g), n, dtype, seed + gi) for gi, g in enumerate(groups)}
 
     def fn(gi, me, link):
-        buf = inputs[gi][me].copy()
-        mine = collectives.ring_reduce(buf, roots[gi], me, len(groups[gi]), link, op, chunk, tag=9)
-        return buf if mine else None
+        out = np.empty(n, dtype) if me == roots[gi] else None
+        collectives.ring_reduce(inputs[gi][me], out, roots[gi], me, len(groups[gi]), link, op, chunk, tag=9)
+        return out
 
     got = run_groups(world, groups, fn)
     for gi, g in enumerate(groups):

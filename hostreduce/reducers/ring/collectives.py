@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..base import ReduceOp
-from .algorithm import Link, finalize, incoming, reduce_into, segment_bounds
+from .algorithm import Link, finalize, incoming, reduce_pair, segment_bounds
 
 __all__ = ["GroupLink", "ring_reduce_scatter", "ring_reduce", "alltoallv", "send_array", "recv_array",
            "offsets"]
@@ -62,42 +62,47 @@ def _chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, hi)) for s in range(lo, hi, chunk)]
 
 
-def ring_reduce_scatter(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, link: Link,
-                        op: ReduceOp, chunk_elems: int, tag: int = 0) -> None:
-    """Reduce-scatter the flat ``buf`` in place: on return ``buf[bounds[rank]:bounds[rank
-    + 1]]`` holds that segment reduced over every rank (a mean divided); the rest of
-    ``buf`` holds partial results."""
+def ring_reduce_scatter(src: np.ndarray, out: np.ndarray, bounds: Sequence[int], rank: int, size: int,
+                        link: Link, op: ReduceOp, chunk_elems: int, tag: int = 0) -> None:
+    """Reduce-scatter the flat ``src`` (not written): ``out`` receives segment ``bounds[rank]:
+    bounds[rank + 1]`` reduced over every rank (a mean divided)."""
+    base = bounds[rank]
     if size > 1:
         seg = lambda s: _chunks(bounds[s], bounds[s + 1], chunk_elems)  # noqa: E731
         for lo, hi in seg((rank - 1) % size):
-            link.send(tag, buf[lo:hi])
+            link.send(tag, src[lo:hi])
+        scratch = np.empty(min(chunk_elems, max(src.size, 1)), src.dtype)
         # At step k receive segment (rank - k - 2), add this rank's part, forward; the
-        # last step (k = N - 2) completes this rank's own segment.
+        # last step (k = N - 2) completes this rank's own segment, into ``out``.
         for step in range(size - 1):
             last = step == size - 2
             for lo, hi in seg((rank - step - 2) % size):
-                part = buf[lo:hi]
-                reduce_into(part, incoming(link.recv(tag), buf.dtype, hi - lo), op)
+                theirs = incoming(link.recv(tag), src.dtype, hi - lo)
+                part = out[lo - base:hi - base] if last else scratch[:hi - lo]
+                reduce_pair(part, src[lo:hi], theirs, op)
                 if not last:
-                    link.send(tag, part)
-    finalize(buf[bounds[rank]:bounds[rank + 1]], op, size)
+                    link.send(tag, part)  # the link copies what it sends
+    else:
+        out[:] = src[bounds[rank]:bounds[rank + 1]]
+    finalize(out, op, size)
 
 
-def ring_reduce(buf: np.ndarray, root: int, rank: int, size: int, link: Link, op: ReduceOp,
-                chunk_elems: int, tag: int = 0) -> bool:
-    """Reduce the flat ``buf`` to ``root`` in place; returns whether ``buf`` holds the
-    result (on the root only)."""
-    bounds = segment_bounds(buf.size, size)
-    ring_reduce_scatter(buf, bounds, rank, size, link, op, chunk_elems, tag)
+def ring_reduce(src: np.ndarray, out: np.ndarray | None, root: int, rank: int, size: int, link: Link,
+                op: ReduceOp, chunk_elems: int, tag: int = 0) -> None:
+    """Reduce the flat ``src`` (not written) into ``out`` (flat, as large) on ``root``;
+    ``out`` is not used on the other ranks."""
+    bounds = segment_bounds(src.size, size)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    mine = out[lo:hi] if rank == root else np.empty(hi - lo, src.dtype)
+    ring_reduce_scatter(src, mine, bounds, rank, size, link, op, chunk_elems, tag)
     if rank != root:
-        for lo, hi in _chunks(bounds[rank], bounds[rank + 1], chunk_elems):
-            link.send_to(root, tag, buf[lo:hi])
-        return False
-    for src in range(size):
-        if src != root:
-            for lo, hi in _chunks(bounds[src], bounds[src + 1], chunk_elems):
-                buf[lo:hi] = incoming(link.recv_from(src, tag), buf.dtype, hi - lo)
-    return True
+        for a, b in _chunks(0, hi - lo, chunk_elems):
+            link.send_to(root, tag, mine[a:b])
+        return
+    for peer in range(size):
+        if peer != root:
+            for a, b in _chunks(bounds[peer], bounds[peer + 1], chunk_elems):
+                out[a:b] = incoming(link.recv_from(peer, tag), src.dtype, b - a)
 
 
 def alltoallv(send: np.ndarray, send_counts: Sequence[int], out: np.ndarray, recv_counts: Sequence[int],

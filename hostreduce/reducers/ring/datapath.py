@@ -132,25 +132,21 @@ class DataPath:
         if shm is not None and size > 1:
             shm_scatter.reduce_scatter(shm, array.reshape(-1), bounds, op, out.reshape(-1))
             return out
-        work = np.array(array, copy=True, order="C").reshape(-1)
-        collectives.ring_reduce_scatter(work, bounds, rank, size, link, op, self._chunk_elems(array.dtype.itemsize),
-                                        tag)
-        out.reshape(-1)[:] = work[bounds[rank]:bounds[rank + 1]]
+        collectives.ring_reduce_scatter(np.ascontiguousarray(array).reshape(-1), out.reshape(-1), bounds, rank, size,
+                                        link, op, self._chunk_elems(array.dtype.itemsize), tag)
         return out
 
     def reduce(self, array: np.ndarray, op: ReduceOp, root: int, tag: int,
                group: Sequence[int] = ()) -> np.ndarray | None:
         """The reduction of ``array`` on the group's ``root``; None elsewhere."""
         rank, size, link, shm = self._on(group)
-        out = np.empty(array.shape, array.dtype)
+        out = np.empty(array.shape if rank == root or shm is not None else 0, array.dtype)
         if shm is not None and size > 1:  # one host: as cheap as its all-reduce
             self.allreduce([array], [out], op, tag)
             return out if rank == root else None
-        work = out.reshape(-1)
-        work[:] = array.reshape(-1)
-        mine = collectives.ring_reduce(work, root, rank, size, link, op, self._chunk_elems(array.dtype.itemsize),
-                                       tag)
-        return out if mine else None
+        collectives.ring_reduce(np.ascontiguousarray(array).reshape(-1), out.reshape(-1), root, rank, size, link, op,
+                                self._chunk_elems(array.dtype.itemsize), tag)
+        return out if rank == root else None
 
     def alltoall(self, array: np.ndarray, splits: Sequence[Sequence[int]], tag: int,
                  group: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:

@@ -3,9 +3,10 @@ memory (its segments, its single-copy reads and its counters; see ``shm.py``).
 
 Reduce-scatter is the shared-memory all-reduce's reduce phase without the gather: every
 rank publishes its input, then rank r reduces slice r of every rank's input into its
-result, reading the peers' buffers directly where it may (``_cma.py``), else from
-their shared regions. Each slice is read once by one rank: (N - 1)/N of the data per
-rank, half an all-reduce. All-to-all: every rank writes its input into its region and,
+result (its own slice first, then the peers' in rank order, the first reduction
+writing the result), reading the peers' buffers directly where it may (``_cma.py``),
+else from their shared regions. Each slice is read once by one rank: (N - 1)/N of the
+data per rank, half an all-reduce. All-to-all: every rank writes its input into its region and,
 after a barrier, copies its pieces out of every rank's region.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from ...errors import PeerLostError
 from ..base import ReduceOp
-from .algorithm import finalize, reduce_into
+from .algorithm import finalize, reduce_into, reduce_pair
 from .shm import _BLOCK_BYTES, ShmGroup
 from .shm_sync import Waiter
 
@@ -58,18 +59,22 @@ def _direct(shm: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp
     addrs = [int(a) for a in w["addr"]]
     item = flat.dtype.itemsize
     lo, hi = bounds[rank], bounds[rank + 1]
-    out[:] = flat[lo:hi]
     block = max(1, _BLOCK_BYTES // item)
     tmp = shm._scratch(flat.dtype, min(block, max(hi - lo, 1)))
     j = rank
     try:
         for a in range(lo, hi, block):
             b = min(hi, a + block)
-            acc, t = out[a - lo:b - lo], tmp[:b - a]
+            acc, t, first = out[a - lo:b - lo], tmp[:b - a], True
             for j in range(size):
                 if j != rank:
                     _cma.read_into(shm._pids[j], addrs[j] + a * item, t)
-                    reduce_into(acc, t, op)
+                    # The first reduction writes the result: one pass less than a copy.
+                    if first:
+                        reduce_pair(acc, flat[a:b], t, op)
+                    else:
+                        reduce_into(acc, t, op)
+                    first = False
     except OSError as e:
         raise PeerLostError(f"Rank {rank}: reading rank {j}'s buffer failed ({e}); rank {j} has probably "
                             "exited") from None
@@ -86,10 +91,10 @@ def _segments(shm: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Reduce
     shm._region(rank, region, flat.dtype, n)[:] = flat
     _published(shm, "a shared-memory reduce-scatter")
     lo, hi = bounds[rank], bounds[rank + 1]
-    out[:] = flat[lo:hi]
-    for j in range(size):
-        if j != rank:
-            reduce_into(out, shm._region(j, region, flat.dtype, n)[lo:hi], op)
+    peers = [shm._region(j, region, flat.dtype, n)[lo:hi] for j in range(size) if j != rank]
+    reduce_pair(out, flat[lo:hi], peers[0], op)
+    for view in peers[1:]:
+        reduce_into(out, view, op)
     finalize(out, op, size)
 
 
