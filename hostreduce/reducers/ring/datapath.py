@@ -170,9 +170,8 @@ class DataPath:
         collectives.send_array(np.ascontiguousarray(array).reshape(-1), dst, self._link,
                                self._chunk_elems(array.dtype.itemsize), tag)
 
-    def recv(self, template: np.ndarray, src: int, tag: int) -> np.ndarray:
-        """The array world rank ``src`` sends (of ``template``'s shape and dtype)."""
-        out = np.empty(template.shape, template.dtype)
+    def recv(self, out: np.ndarray, src: int, tag: int) -> np.ndarray:
+        """Receive into ``out`` (C-contiguous) the array world rank ``src`` sends."""
         collectives.recv_array(out.reshape(-1), src, self._link, self._chunk_elems(out.dtype.itemsize), tag)
         return out
 

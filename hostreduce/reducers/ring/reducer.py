@@ -189,6 +189,7 @@ class RingReducer(Reducer):
         return self._submit(name, "send", arr, None, ReduceOp.SUM, dst, group)
 
     def _recv_async(self, name: str, shape: tuple[int, ...], dtype: np.dtype, src: int, group: Group) -> Handle:
+        # The array received into: announced for its shape and dtype, then filled.
         return self._submit(name, "recv", np.empty(shape, dtype), None, ReduceOp.SUM, src, group)
 
     def _barrier(self, timeout: float | None, group: Group) -> None:
