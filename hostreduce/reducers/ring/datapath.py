@@ -14,6 +14,7 @@ import numpy as np
 
 from ..base import ReduceOp
 from . import algorithm, collectives, shm_scatter
+from ._buffers import ResultPool
 
 __all__ = ["DataPath"]
 
@@ -25,6 +26,7 @@ class DataPath:
         self._link = link
         self._shm = shm
         self._fusion: dict[np.dtype, np.ndarray] = {}
+        self._results = ResultPool()   # the new arrays collectives return
 
     def _chunk_elems(self, itemsize: int) -> int:
         return max(1, self._chunk_bytes // itemsize)
@@ -97,7 +99,8 @@ class DataPath:
 
     def broadcast(self, array: np.ndarray, root: int, tag: int, group: Sequence[int] = ()) -> np.ndarray:
         rank, size, link, shm = self._on(group)
-        out = np.array(array, copy=True, order="C")
+        out = self._results.empty(array.shape, array.dtype)
+        out[...] = array
         flat = out.reshape(-1)
         if size > 1 and flat.size:
             if shm is not None:
@@ -111,7 +114,7 @@ class DataPath:
         inner = array.shape[1:]
         per = _row(inner)
         elems = [c * per for c in counts]
-        out = np.empty((sum(counts),) + inner, array.dtype)
+        out = self._results.empty((sum(counts),) + inner, array.dtype)
         flat = out.reshape(-1)
         if shm is not None:
             shm.allgather(np.ascontiguousarray(array).reshape(-1), elems, flat)
@@ -128,7 +131,7 @@ class DataPath:
         rank, size, link, shm = self._on(group)
         per = _row(array.shape[1:])
         bounds = collectives.offsets([c * per for c in counts])
-        out = np.empty((counts[rank],) + array.shape[1:], array.dtype)
+        out = self._results.empty((counts[rank],) + array.shape[1:], array.dtype)
         if shm is not None and size > 1:
             shm_scatter.reduce_scatter(shm, array.reshape(-1), bounds, op, out.reshape(-1))
             return out
@@ -140,7 +143,7 @@ class DataPath:
                group: Sequence[int] = ()) -> np.ndarray | None:
         """The reduction of ``array`` on the group's ``root``; None elsewhere."""
         rank, size, link, shm = self._on(group)
-        out = np.empty(array.shape if rank == root or shm is not None else 0, array.dtype)
+        out = self._results.empty(array.shape if rank == root or shm is not None else (0,), array.dtype)
         if shm is not None and size > 1:  # one host: as cheap as its all-reduce
             self.allreduce([array], [out], op, tag)
             return out if rank == root else None
@@ -156,7 +159,7 @@ class DataPath:
         inner = array.shape[1:]
         per = _row(inner)
         received = [row[rank] for row in splits]
-        out = np.empty((sum(received),) + inner, array.dtype)
+        out = self._results.empty((sum(received),) + inner, array.dtype)
         flat = np.ascontiguousarray(array).reshape(-1)
         if shm is not None and size > 1:
             shm_scatter.alltoall(shm, flat, [[c * per for c in row] for row in splits], out.reshape(-1))
