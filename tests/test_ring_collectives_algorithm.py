@@ -260,6 +260,14 @@ def test_sends_are_matched_by_name_and_pair_and_mismatches_name_both_ranks():
     assert "rank 0: (3,), rank 1: (4,)" in plans[1]["error"]
 
 
+def test_a_send_and_a_collective_may_share_a_name():
+    coord, plans = coordinator(size=3)
+    coord.on_ready(0, [entry("x", "send", root=1)])
+    coord.on_ready(2, [entry("x")])
+    coord.on_ready(1, [entry("x", "recv", root=0)])
+    assert [p["kind"] for p in plans] == ["p2p"]
+
+
 def test_reduce_scatter_and_alltoall_carry_counts_and_the_split_matrix():
     coord, plans = coordinator(size=2)
     for r in range(2):

@@ -150,7 +150,7 @@ class Coordinator:
         name, group, pair = key
         if pair is not None:
             return False
-        for other in sorted(self._by_name.get(name, ())):
+        for other in sorted(self._by_name.get(name, ()), key=repr):
             if other == key or other[2] is not None or rank not in other[1]:
                 continue
             if not any(b in group for b in self._table[other]):
