@@ -11,11 +11,13 @@ arrays a few times and allocates two buffers at most.
 
 Rows (an embedding's gradient, duplicates already summed): SGD and Adagrad touch only
 the given rows, which is exactly Keras's result, as a zero gradient leaves a row
-unchanged. Momentum and Adam are different: Keras densifies an ``IndexedSlices``
-gradient, so every row's moments decay and every row moves each step.
-``sparse="keras"`` (the default) does the same, exact but O(table) per step on the ps;
+unchanged. Momentum and Adam are different: in Keras every row's moments decay and
+every row moves each step, as for the densified gradient. ``sparse="keras"`` (the
+default) does the same, exact but O(table) per step on the ps;
 ``sparse="lazy"`` updates only the rows in the gradient (TensorFlow Addons' LazyAdam),
-O(batch), the usual choice for large embeddings.
+O(batch), the usual choice for large embeddings. (Keras's Adam squares an IndexedSlices'
+rows before summing duplicates, so v differs from the squared gradient when ids
+repeat; here duplicates are summed first: the lookup's gradient is their sum.)
 """
 from __future__ import annotations
 
@@ -142,9 +144,6 @@ class Adam(HostOptimizer):
 
     def _dense(self, value: np.ndarray, slots: Mapping[str, np.ndarray], g: np.ndarray, step: int) -> None:
         t = value.dtype.type
-        lr, t_step = t(self.learning_rate), t(step)
-        b1p, b2p = np.power(t(self.beta_1), t_step), np.power(t(self.beta_2), t_step)
-        alpha = lr * np.sqrt(t(1) - b2p) / (t(1) - b1p)
         m, v = slots["m"], slots["v"]
         tmp = g - m
         tmp *= t(1 - self.beta_1)
@@ -153,9 +152,17 @@ class Adam(HostOptimizer):
         tmp -= v
         tmp *= t(1 - self.beta_2)
         v += tmp
+        self._update(value, m, v, self._alpha(t, step))
+
+    def _alpha(self, t: Any, step: int) -> Any:
+        lr, t_step = t(self.learning_rate), t(step)
+        b1p, b2p = np.power(t(self.beta_1), t_step), np.power(t(self.beta_2), t_step)
+        return lr * np.sqrt(t(1) - b2p) / (t(1) - b1p)
+
+    def _update(self, value: np.ndarray, m: np.ndarray, v: np.ndarray, alpha: Any) -> None:
         den = np.sqrt(v)
-        den += t(self.epsilon)
-        np.multiply(m, alpha, out=tmp)
+        den += value.dtype.type(self.epsilon)
+        tmp = m * alpha
         tmp /= den
         value -= tmp
 
