@@ -226,9 +226,16 @@ class PSClient:
                              timeout=max(self.timeout_s, 300.0))
         return int(replies[0][0]["step"])
 
-    def shutdown(self) -> None:
-        """End the job: every ps returns from ``serve()`` (the chief only)."""
-        self._call("Shutdown", {m: wire.pack({}) for m in range(len(self.addresses))})
+    def shutdown(self) -> list[str]:
+        """End the job: every ps still alive returns from ``serve()`` (the chief only).
+        Returns the errors of the ps that could not be told (lost ones), if any."""
+        lost = []
+        for m in range(len(self.addresses)):
+            try:
+                self._call("Shutdown", {m: wire.pack({})}, timeout=min(self.timeout_s, 5.0))
+            except PeerLostError as e:
+                lost.append(str(e))
+        return lost
 
     def close(self) -> None:
         for channel in self._channels:
