@@ -94,7 +94,8 @@ def to_wire(arr: np.ndarray, wire: np.dtype, out: np.ndarray | None = None) -> n
         for lo in range(0, flat_in.size, BLOCK):
             _narrow_f16(flat_in[lo:lo + BLOCK], flat_out[lo:lo + BLOCK])
     else:  # bfloat16: ml_dtypes' cast is vectorised; float64: rare, rounded directly
-        np.copyto(res, src, casting="unsafe")
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and overflow are results here
+            np.copyto(res, src, casting="unsafe")
     return res
 
 
