@@ -161,3 +161,27 @@ def test_training_on_two_ring_workers_really_compresses() -> None:
             diff = np.abs(w - w0).max()
             assert diff > 0, f"{comp}: the weights equal the uncompressed run's: nothing was compressed"
             assert diff < 5 * 0.05 * rel * 10, f"{comp}: off by {diff}, more than 16-bit rounding explains"
+
+
+@pytest.mark.tf
+def test_horovod_compression_api() -> None:
+    import tensorflow as tf
+
+    from hostreduce.horovod import Compression
+    from hostreduce.horovod._compression import engine_wire
+
+    x = tf.constant([1.0, 1.0 + 2.0 ** -9, 3.0], tf.float32)
+    for comp, dt in ((Compression.fp16, tf.float16), (Compression.bf16, tf.bfloat16)):
+        wire, ctx = comp.compress(x)  # Horovod's static methods still cast in TensorFlow
+        assert wire.dtype == dt and ctx == tf.float32
+        assert comp.decompress(wire, ctx).dtype == tf.float32
+        assert comp.compress(tf.constant([1, 2]))[1] is None
+    assert engine_wire(Compression.bf16, x) == "bf16"  # cast on the host by the engine
+    assert engine_wire(Compression.fp16, x) is None  # tf.cast (F16C) beats numpy's float16
+    assert engine_wire(Compression.bf16, tf.constant([1, 2])) is None
+    assert engine_wire(Compression.none, x) is None
+
+    class Mine(Compression.bf16):  # a user's own compressor keeps its own casts
+        pass
+
+    assert engine_wire(Mine, x) is None

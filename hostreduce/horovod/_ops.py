@@ -137,8 +137,8 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
         else:
             tensor = tf.convert_to_tensor(tensor)
             scaled = _scale(tensor, prescale_factor, "prescale_factor")
-            # fp16/bf16: the engine casts on the host; the hand-off moves the float32 tensor.
-            on_host = engine_wire(compression, scaled.dtype)
+            # bf16 off a GPU: the engine casts on the host; the hand-off moves float32.
+            on_host = engine_wire(compression, scaled)
             wire, ctx = (scaled, None) if on_host else compression.compress(scaled)
             plan.append(("dense", (len(flat), ctx)))
             flat.append(wire)
@@ -197,7 +197,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
         average: deprecated in Horovod: True is ``op=Average``, False ``op=Sum``.
         device_dense, device_sparse: accepted; hostreduce always reduces in host memory.
         compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16``
-            (16 bits on the wire, cast on the host by the engine).
+            (16 bits on the wire; bf16 cast on the host by the engine, see ``_compression.py``).
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
         prescale_factor, postscale_factor: multiply before / after the reduction.
         name: the collective's name, equal on every rank; default: derived from the
