@@ -140,7 +140,7 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
             # bf16 off a GPU: the engine casts on the host; the hand-off moves float32.
             on_host = engine_wire(compression, scaled)
             wire, ctx = (scaled, None) if on_host else compression.compress(scaled)
-            plan.append(("dense", (len(flat), ctx)))
+            plan.append(("dense", (len(flat), ctx, on_host)))
             flat.append(wire)
             collectives.append(Collective("allreduce", name, op.engine_op, label=label,  # type: ignore[arg-type]
                                           compression=on_host))
@@ -156,8 +156,8 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
                 values = values / tf.cast(world, values.dtype)
             out.append(tf.IndexedSlices(values, indices, dense_shape=dense_shape))
         else:
-            at, ctx = info
-            done = results[at] if ctx is None else compression.decompress(results[at], ctx)
+            at, ctx, on_host = info
+            done = results[at] if on_host else compression.decompress(results[at], ctx)
             out.append(_scale(done, postscale_factor, "postscale_factor"))
     return out
 
