@@ -3,10 +3,10 @@
 A group is the tensors handed off together (one step's gradients). Before the first
 hand-off, the group's all-reduces are laid out into buckets (:func:`plan_buckets`): in
 hand-off order, last tensor first (the order a backward pass produces gradients in),
-each tensor joins the open bucket of its dtype and op while that bucket stays within
-``fusion_threshold_bytes``; a tensor that would overflow it closes it, and one larger
-than a bucket gets a bucket of its own. Each bucket owns one flat buffer, and its
-tensors' host buffers are views into it, so handing a tensor off copies it straight
+each tensor joins the open bucket of its dtype, op and compression while that bucket
+stays within ``fusion_threshold_bytes``; a tensor that would overflow it closes it, and
+one larger than a bucket gets a bucket of its own. Each bucket owns one flat buffer, and
+its tensors' host buffers are views into it, so handing a tensor off copies it straight
 into its bucket and the result needs no copy back.
 
 A bucket is submitted when its last tensor has been handed off: when it is full, or,
@@ -20,17 +20,17 @@ The ring fuses in its coordinator instead (what is ready on every rank, by name,
 no wait for a bucket to fill), so on the ring every bucket holds one tensor unless
 ``Channel.bucket_bytes`` asks otherwise.
 
-The communication hook. Each bucket goes to the reducer through a hook,
-``hook(reducer, bucket) -> Handle``, as PyTorch DDP's communication hooks do:
-``bucket.buffer`` is the flat buffer, ``bucket.names`` the tensors' collective names,
-``bucket.op`` the reduction. The handle's result is the reduced flat buffer: the
-bucket's own (reduced in place; ``None`` means the same), or any array of as many
-elements, which is copied back (so a hook may, e.g., send float16 on the wire). The
-default hook is ``reducer.allreduce_async(bucket.name, bucket.buffer, op=bucket.op,
-out=bucket.buffer)``. Set one per channel (``Channel(..., bucket_hook=fn)``) or for the
-process (:func:`register_bucket_hook`, which also reaches the Estimator's channel). A
-hook must submit exactly one collective per bucket, in the order it is called, on
-engines that match collectives by position.
+The communication hook. Each bucket goes to the reducer through a hook, ``hook(reducer,
+bucket) -> Handle``, as PyTorch DDP's communication hooks do: ``bucket.buffer`` is the
+flat buffer, ``bucket.names`` the tensors' collective names, ``bucket.op`` the
+reduction, ``bucket.compression`` the wire compression. The handle's result is the
+reduced flat buffer: the bucket's own (reduced in place; ``None`` means the same), or
+any array of as many elements, which is copied back (so a hook may, e.g., send float16
+on the wire). The default hook is ``reducer.allreduce_async(bucket.name, bucket.buffer,
+op=bucket.op, out=bucket.buffer, compression=bucket.compression)``. Set one per channel
+(``Channel(..., bucket_hook=fn)``) or for the process (:func:`register_bucket_hook`,
+which also reaches the Estimator's channel). A hook must submit exactly one collective
+per bucket, in the order it is called, on engines that match collectives by position.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class Bucket:
         op: ``mean``, ``sum``, ``min`` or ``max``.
         buffer: the tensors' values, flattened and concatenated (one dtype).
         index: the bucket's position in its group's layout.
+        compression: the wire compression its tensors asked for (``None``: the config's).
     """
 
     name: str
@@ -63,6 +64,7 @@ class Bucket:
     op: str
     buffer: np.ndarray
     index: int = 0
+    compression: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +76,8 @@ BucketHook = Callable[[Any, Bucket], Any]
 
 def default_bucket_hook(reducer: Any, bucket: Bucket) -> Any:
     """All-reduce the bucket's flat buffer in place on ``reducer``."""
-    return reducer.allreduce_async(bucket.name, bucket.buffer, op=bucket.op, out=bucket.buffer)
+    extra = {} if bucket.compression is None else {"compression": bucket.compression}
+    return reducer.allreduce_async(bucket.name, bucket.buffer, op=bucket.op, out=bucket.buffer, **extra)
 
 
 _registered: BucketHook | None = None
@@ -119,7 +122,8 @@ class _Bucket:
         self.index, self.slots, self.buffer = index, slots, buffer
         names = tuple(s.name for s in slots)
         name = names[0] if len(names) == 1 else f"bucket:{names[0]}..{names[-1]}"
-        self.spec = Bucket(name, names, slots[0].collective.op, buffer, index)
+        first = slots[0].collective
+        self.spec = Bucket(name, names, first.op, buffer, index, first.compression)
         self.started: dict[int, Any] = {}   # slot position -> its tensor's handle, this step
 
 
@@ -145,7 +149,7 @@ class Fusion:
     def _layout(self) -> dict[int, _Bucket]:
         limit = self._channel.resolved_bucket_bytes()
         order = [s for s in reversed(self._slots) if s.collective.kind == "allreduce"]
-        entries = [None if s.spec_shape is None else ((s.spec_dtype.str, s.collective.op),
+        entries = [None if s.spec_shape is None else ((s.spec_dtype.str, s.collective.op, s.collective.compression),
                                                       _size(s.spec_shape) * s.spec_dtype.itemsize)
                    for s in order]
         of: dict[int, _Bucket] = {}

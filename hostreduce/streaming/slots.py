@@ -39,6 +39,8 @@ class Collective:
         op: the reduction of an ``allreduce``: ``mean``, ``sum``, ``min`` or ``max``.
         root: the rank whose tensor a ``broadcast`` sends.
         label: what the timeline calls the tensor (e.g. its variable); default ``name``.
+        compression: an ``allreduce``'s wire compression (``fp16``, ``bf16``, ``none``;
+            None: the reducer's default).
     """
 
     kind: str
@@ -46,6 +48,7 @@ class Collective:
     op: str = "mean"
     root: int = 0
     label: str = ""
+    compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -188,7 +191,8 @@ class Slot:
             return
         reducer = self.channel.reducer()
         if collective.kind == "allreduce":
-            handle = reducer.allreduce_async(collective.name, buffer, op=collective.op, out=buffer)
+            handle = reducer.allreduce_async(collective.name, buffer, op=collective.op, out=buffer,
+                                             compression=collective.compression)
         elif collective.kind == "broadcast":
             handle = reducer.broadcast_async(collective.name, buffer, root=collective.root)
         else:

@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..base import ReduceOp, apply_mean
+from ..compression import combine16
 
 __all__ = ["Link", "segment_bounds", "reduce_into", "reduce_pair", "finalize", "ring_allreduce", "pair_allreduce",
            "ring_allgather", "ring_broadcast"]
@@ -50,7 +51,11 @@ _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool = False) -> None:
     """dst = dst (op) src, elementwise, in place; with ``src_first``, dst = src (op) dst:
     the operand order of the rank whose own data is ``src`` (bitwise identical results,
-    NaN payloads and signed zeros included)."""
+    NaN payloads and signed zeros included). float16 and bfloat16 sums and products are
+    computed in float32 and rounded once, with the bits numpy and ml_dtypes give, in
+    vectorised blocks (their own loops go one element at a time)."""
+    if combine16(dst, src, _UFUNCS[op], src_first):
+        return
     if src_first:
         _UFUNCS[op](src, dst, out=dst)
     else:
