@@ -2,7 +2,8 @@
 every rank and in both runs, on each data path (single-copy shared memory, shared
 segments, gRPC). Bursts of asynchronous all-reduces are fused into buckets whose make-up
 depends on timing, and blocking ones may take the fast lane, so an engine whose
-operand order depends on where a tensor lands in its bucket fails here."""
+operand order depends on where a tensor lands in its bucket fails here (the gRPC ring
+lays buckets out segment by segment for this)."""
 from __future__ import annotations
 
 import hashlib
@@ -62,12 +63,10 @@ def _rank_order_sum(dt: str, n: int, k: int) -> str:
     return _digest(acc)
 
 
-def _fused_ring(key: str) -> bool:
-    """A gRPC result from a burst that went through the ring, not rank 0's gather (known
-    to vary between runs: see the test)."""
-    path, kind, dt, n = key.split("/")
-    itemsize = 4 if dt == "f32" else 2
-    return path == "grpc" and kind.startswith("async") and int(n) * itemsize * (SIZE - 1) > 256 * 1024
+def _on_the_ring(dt: str, n: int) -> bool:
+    """A gRPC all-reduce of this tensor alone goes around the ring (not through rank 0)."""
+    itemsize = 4 if dt == "float32" else 2
+    return n * itemsize * (SIZE - 1) > 256 * 1024
 
 
 @pytest.mark.timeout(90)
@@ -80,14 +79,15 @@ def test_two_runs_give_the_same_bits_on_every_rank_and_path():
             differ = sorted(key for key in first if out[key] != runs[run][0][key])
             assert not differ, f"run {run}: rank {rank} differs from rank 0 in {differ}"
     varied = sorted(key for key in first if runs[1][0][key] != first[key])
-    assert [k for k in varied if not _fused_ring(k)] == [], f"the two runs differ in {varied}"
+    assert varied == [], f"the two runs differ in {varied}"
+    # A fused bucket is laid out segment by segment, so each tensor in it is summed as
+    # when it goes around the ring alone.
+    for name, dt, n in TENSORS:
+        if _on_the_ring(dt, n):
+            for burst in range(2):
+                assert first[f"grpc/async{burst}/{name}"] == first[f"grpc/blocking/{name}"], f"{name} fused"
     # On shared memory every element is reduced in rank order, whoever reduces it.
     for k, (name, dt, n) in enumerate(TENSORS):
         want = _rank_order_sum(dt, n, k)
         for path in ("shm", "shm-copy"):
             assert first[f"{path}/blocking/{name}"] == want, f"{path}/{name}"
-    if varied:
-        # Known: rank 0 fuses whatever is ready into a bucket, and the gRPC ring reduces
-        # segment s starting at rank s + 1, so a tensor's operand order follows where the
-        # bucket puts it. Fixing it needs the ring to take per-tensor segment bounds.
-        pytest.xfail(f"gRPC ring results of fused bursts differ between runs: {varied}")

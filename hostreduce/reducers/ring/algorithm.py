@@ -83,10 +83,11 @@ def incoming(payload: bytes | memoryview, dtype: np.dtype, n: int) -> np.ndarray
 
 
 def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: ReduceOp,
-                   chunk_elems: int, tag: int = 0) -> None:
-    """All-reduce the flat array ``buf`` in place."""
+                   chunk_elems: int, tag: int = 0, bounds: Sequence[int] | None = None) -> None:
+    """All-reduce the flat array ``buf`` in place. Segment ``s`` (``bounds[s]`` to
+    ``bounds[s + 1]``; default near-equal) is summed starting from rank ``s``'s data."""
     if size > 1 and buf.size:
-        bounds = segment_bounds(buf.size, size)
+        bounds = segment_bounds(buf.size, size) if bounds is None else bounds
         seg = lambda s: _chunks(bounds[s], bounds[s + 1], chunk_elems)  # noqa: E731
         for lo, hi in seg(rank):
             link.send(tag, buf[lo:hi])
