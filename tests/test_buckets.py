@@ -290,3 +290,33 @@ def test_mpi_training_one_collective_per_bucket(tmp_path: Path) -> None:
         # Both ranks closed the same buckets in the same order.
         orders = [json.loads((tmp_path / f"{run}-rank{r}.json").read_text())["buckets"] for r in range(2)]
         assert orders[0] == orders[1]
+
+
+def test_a_wait_on_a_tensor_waits_on_its_buckets_engine_handle() -> None:
+    """Engines act on waits (the ring tells its peers this rank is blocked, which turns a
+    deadlock into an error within a second), so a tensor's wait reaches the engine's."""
+    waited: list[str] = []
+
+    class Watched(Handle):
+        __slots__ = ()
+
+        def wait(self, timeout: float | None = None) -> Any:
+            waited.append(self.name)
+            return super().wait(timeout)
+
+    class Reducer(TwoRanks):
+        def allreduce_async(self, name: str, array: np.ndarray, op: str = "sum", out: Any = None) -> Handle:
+            handle = Watched(name)
+            self.pending.append((handle, array, op, out))
+            return handle
+
+    reducer = Reducer()
+    channel = Channel(lambda: reducer, ordered=True, bucket_bytes=1 << 20)
+    arrays = [np.ones(3, np.float32), np.ones(5, np.float32)]
+    slots = _group(channel, arrays)
+    _hand_off_all(slots, arrays)
+    with pytest.raises(Exception, match="did not complete"):
+        slots[0].wait(0.05)
+    assert waited, "the engine's handle was never waited on"
+    reducer.release()
+    np.testing.assert_array_equal(slots[1].wait(1), 2 * arrays[1])

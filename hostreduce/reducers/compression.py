@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError
-from .handle import Handle
+from .handle import Handle, LinkedHandle
 
 __all__ = ["COMPRESSIONS", "parse_compression", "wire_dtype", "compressed", "to_wire", "from_wire",
            "combine16"]
@@ -66,7 +66,7 @@ def compressed(name: str, arr: np.ndarray, wire: np.dtype, out: np.ndarray | Non
     in place); the returned handle's result is cast back to ``arr``'s dtype (into
     ``out`` when given). Results that are not arrays (a non-root's reduce) pass through."""
     inner = start(to_wire(arr, wire))
-    outer = Handle(name)
+    outer = LinkedHandle(name, inner)
 
     def done(h: Handle) -> None:
         try:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from ..errors import CollectiveTimeoutError
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "LinkedHandle"]
 
 
 class Handle:
@@ -61,3 +62,28 @@ class Handle:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)
+
+
+class LinkedHandle(Handle):
+    """A handle completed from another one (``inner``: the engine's, once known), e.g. a
+    tensor's in a fusion bucket, or a compressed collective's cast back. A wait waits on
+    ``inner`` first, since an engine may act on a wait (the ring tells its peers that
+    this rank is blocked)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, name: str, inner: Handle | None = None) -> None:
+        super().__init__(name)
+        self.inner = inner
+
+    def wait(self, timeout: float | None = None) -> Any:
+        inner = self.inner
+        if inner is not None and not self.done():
+            start = time.monotonic()
+            try:
+                inner.wait(timeout)
+            except BaseException:  # noqa: BLE001 - delivered to this handle by its callback
+                pass
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - start))
+        return super().wait(timeout)

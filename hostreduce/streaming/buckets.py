@@ -41,6 +41,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from ..errors import ConfigError, HostReduceError
+from ..reducers.handle import LinkedHandle
 from ..timeline import now_us
 
 __all__ = ["Bucket", "BucketHook", "default_bucket_hook", "register_bucket_hook", "plan_buckets"]
@@ -199,6 +200,9 @@ class Fusion:
         submitted = now_us()
         for s in bucket.slots:
             s.submit_time_us = submitted
+        for h in handles.values():
+            if isinstance(h, LinkedHandle):
+                h.inner = handle
         timeline = channel.timeline
         if timeline.enabled:
             first = bucket.slots[0]

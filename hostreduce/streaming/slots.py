@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError, HostReduceError
 from ..reducers.base import Handle, ReduceOp
+from ..reducers.handle import LinkedHandle
 from ..timeline import HANDOFF_ROW, Timeline, now_us
 from .buckets import BucketHook, Fusion
 
@@ -214,7 +215,7 @@ class Slot:
     def _start_in_bucket(self, handoff_start: float | None) -> None:
         """Hand the tensor to its bucket; its handle completes when the bucket does."""
         assert self.fusion is not None and self.buffer is not None
-        handle = self.handle = Handle(self.name)
+        handle = self.handle = LinkedHandle(self.name)
         self.submit_time_us = now_us()
         timeline = self.channel.timeline
         if handoff_start is not None and timeline.enabled:
