@@ -1,6 +1,7 @@
 """One rank of an MPI-launched check of the full collective set of an MPI-based reducer.
 
-Usage: mpirun -np N python collectives_worker.py {mpi|horovod}
+Usage: mpirun -np N python collectives_worker.py {mpi|horovod}   (N >= 2)
+(``reducer_check.py`` also runs these checks, on its reducer, within its own launch.)
 
 Runs the engine-agnostic ``tests/collectives_check.py`` (when present), then what it
 does not cover: prod of 16-bit floats, wire compression (the result equals the float32
@@ -153,9 +154,8 @@ def check_dead_peer(engine: str, rank: int, size: int) -> None:
     t.close()
 
 
-def main() -> None:
-    engine = sys.argv[1]
-    r = make(engine, timeout_s=60.0)
+def run_all(r: Reducer, engine: str) -> None:
+    """Every check on ``r`` (of ``engine``; at least two ranks); leaves ``r`` open."""
     rank, size = r.rank, r.size
     try:
         import collectives_check
@@ -163,9 +163,12 @@ def main() -> None:
         collectives_check = None
     if collectives_check is not None:
         collectives_check.agree(r, collectives_check.check_all(r))
+    t0 = time.monotonic()
     digest = hashlib.sha256()
     check_group(r, r.world, "world", digest)
+    t1 = time.monotonic()
     check_compression(r, digest)
+    t2 = time.monotonic()
     groups = [[0, size - 1]] + ([[0, 1], [2, 3]] if size >= 4 else [])
     if size >= 4:
         groups.append([1, 3])
@@ -183,15 +186,21 @@ def main() -> None:
     for ranks in groups:
         if len(ranks) < size:
             r.destroy_group(r.create_group(ranks))
-    if size > 1:
-        check_mismatch(r)
+    check_mismatch(r)
     rows = r.allgather("digest", np.frombuffer(digest.digest(), np.int64).reshape(1, -1))
     assert (rows == rows[0]).all(), "results differ across ranks"
     r.barrier()
-    if size > 1:
-        check_dead_peer(engine, rank, size)
+    check_dead_peer(engine, rank, size)
+    print(f"rank {rank}/{size}: collectives checked (world {t1 - t0:.1f} s, compression {t2 - t1:.1f} s, "
+          f"total {time.monotonic() - t0:.1f} s)", flush=True)
+
+
+def main() -> None:
+    engine = sys.argv[1]
+    r = make(engine, timeout_s=60.0)
+    run_all(r, engine)
     r.close()
-    print(f"OK rank {rank}/{size}", flush=True)
+    print(f"OK rank {r.rank}/{r.size}", flush=True)
 
 
 if __name__ == "__main__":
