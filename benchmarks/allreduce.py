@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """All-reduce of float32 buffers across local workers: hostreduce's ring (gRPC and
-shared-memory data paths) side by side with Open MPI and TensorFlow's collective ring.
+shared-memory data paths) side by side with Open MPI and TensorFlow's collective ring;
+and reduce-scatter (``*-rs``: the ring's against Open MPI's Reduce_scatter_block, each
+rank keeping S/N bytes).
 
     python benchmarks/allreduce.py                    # full run, N = 2 and 4, 1 KiB .. 256 MiB
     python benchmarks/allreduce.py --quick            # smoke run: N = 2, 1 KiB and 1 MiB
@@ -41,9 +43,19 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "tf-ring": {"label": "TF MultiWorkerMirrored RING", "kind": "tf"},
     # Not an all-reduce: the bytes a ring moves, over grpcio alone (see _GrpcFloorBackend).
     "grpc-floor": {"label": "grpcio transfer alone (floor)", "kind": "floor"},
+    # Reduce-scatter of the S-byte buffer (each rank keeps S/N bytes), compared among themselves.
+    "ring-grpc-rs": {"label": "hostreduce reduce-scatter (gRPC)", "kind": "ring", "transport": "grpc",
+                     "collective": "reduce_scatter"},
+    "ring-shm-rs": {"label": "hostreduce reduce-scatter (shm)", "kind": "ring", "transport": "shm",
+                    "collective": "reduce_scatter"},
+    "mpi-rs": {"label": "Open MPI Reduce_scatter_block", "kind": "mpi", "collective": "reduce_scatter"},
 }
-RINGS = ("ring-grpc", "ring-shm")
-PEERS = ("mpi", "tf-ring")
+RINGS = ("ring-grpc", "ring-shm", "ring-grpc-rs", "ring-shm-rs")
+PEERS = ("mpi", "tf-ring", "mpi-rs")
+
+
+def _collective(impl: str) -> str:
+    return IMPLEMENTATIONS[impl].get("collective", "allreduce")
 
 DEFAULT_SIZES = [1 * C.KiB, 4 * C.KiB, 16 * C.KiB, 64 * C.KiB, 256 * C.KiB, 1 * C.MiB, 4 * C.MiB,
                  16 * C.MiB, 64 * C.MiB, 100 * C.MiB, 256 * C.MiB]
@@ -78,7 +90,7 @@ class _Cell:
 
 
 class _RingBackend:
-    def __init__(self, transport: str) -> None:
+    def __init__(self, transport: str, collective: str = "allreduce") -> None:
         import numpy as np
         from hostreduce.cluster import resolve_cluster
         from hostreduce.config import Config
@@ -88,12 +100,20 @@ class _RingBackend:
         self.reducer = create_reducer("ring", cluster=resolve_cluster(),
                                       config=Config.from_env(transport=transport))
         self.rank, self.size = self.reducer.rank, self.reducer.size
+        self._collective = collective
 
     def prepare(self, nelem: int) -> _Cell:
         np = self._np
         buf = np.empty(nelem, dtype=np.float32)
         buf.fill(0.0)  # touch every page now, not in the timed loop
         name, r = f"bench.f32.{nelem}", self.reducer
+        if self._collective == "reduce_scatter":
+            got: list[Any] = [None]
+
+            def scatter() -> None:
+                got[0] = r.reduce_scatter(name, buf.reshape(self.size, -1), op="sum")
+
+            return _Cell(scatter, buf.fill, lambda: got[0], _check_scatter(np, got, self.size, nelem))
 
         def run() -> None:
             r.allreduce(name, buf, op="sum", out=buf)
@@ -190,19 +210,34 @@ class _GrpcFloorBackend:
         self._ring.close()
 
 
+def _check_scatter(np: Any, got: list[Any], size: int, nelem: int) -> Callable[[], bool]:
+    """The reduce-scatter's check: this rank's S/N elements, each N(N+1)/2."""
+    return lambda: bool(got[0] is not None and got[0].size == nelem // size
+                        and np.all(got[0] == size * (size + 1) / 2.0))
+
+
 class _MpiBackend:
-    def __init__(self) -> None:
+    def __init__(self, collective: str = "allreduce") -> None:
         import numpy as np
         from mpi4py import MPI
 
         self._np, self._mpi = np, MPI
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._collective = collective
 
     def prepare(self, nelem: int) -> _Cell:
         np, MPI, comm = self._np, self._mpi, self.comm
         buf = np.empty(nelem, dtype=np.float32)
         buf.fill(0.0)
+        if self._collective == "reduce_scatter":
+            mine = np.empty(nelem // self.size, dtype=np.float32)
+            mine.fill(0.0)
+
+            def scatter() -> None:
+                comm.Reduce_scatter_block(buf, mine, op=MPI.SUM)
+
+            return _Cell(scatter, buf.fill, lambda: mine, _check_scatter(np, [mine], self.size, nelem))
 
         def run() -> None:
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
@@ -299,9 +334,9 @@ def worker_main(args: argparse.Namespace) -> int:
     (workdir / f"pid.{pid_rank}").write_text(str(os.getpid()))
     try:
         if impl["kind"] == "ring":
-            backend: Any = _RingBackend(impl["transport"])
+            backend: Any = _RingBackend(impl["transport"], impl.get("collective", "allreduce"))
         elif impl["kind"] == "mpi":
-            backend = _MpiBackend()
+            backend = _MpiBackend(impl.get("collective", "allreduce"))
         elif impl["kind"] == "floor":
             backend = _GrpcFloorBackend()
         else:
@@ -446,7 +481,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
             continue
         for peer in PEERS:
             other = index.get((peer, n, nbytes))
-            if other is not None:
+            if other is not None and _collective(peer) == _collective(impl):
                 out.append({"np": n, "bytes": nbytes, "size": C.format_size(nbytes), "ring": impl, "peer": peer,
                             "busbw_ratio": round(other["time_ms"] / row["time_ms"], 3)})
     return out
@@ -474,7 +509,7 @@ def _floor_ratios(rows: list[dict]) -> list[dict]:
 def _targets(rows: list[dict], ratios: list[dict]) -> list[dict]:
     checks = []
     for q in ratios:
-        if q["peer"] == "mpi" and q["bytes"] in TARGETS["vs_mpi_sizes"]:
+        if q["peer"] in ("mpi", "mpi-rs") and q["bytes"] in TARGETS["vs_mpi_sizes"]:
             goal = TARGETS["vs_mpi_min_ratio"]
         elif q["peer"] == "tf-ring" and q["bytes"] >= TARGETS["vs_tf_min_size"]:
             goal = TARGETS["vs_tf_min_ratio"]
@@ -483,7 +518,8 @@ def _targets(rows: list[dict], ratios: list[dict]) -> list[dict]:
         checks.append({"what": f"{q['ring']} vs {q['peer']} bus bw, N={q['np']}, {q['size']}",
                        "value": q["busbw_ratio"], "goal": f">= {goal}", "met": q["busbw_ratio"] >= goal})
     for row in rows:
-        if row["impl"] in RINGS and row["bytes"] == TARGETS["latency_size"] and row["np"] == TARGETS["latency_np"]:
+        if (row["impl"] in RINGS and _collective(row["impl"]) == "allreduce"
+                and row["bytes"] == TARGETS["latency_size"] and row["np"] == TARGETS["latency_np"]):
             checks.append({"what": f"{row['impl']} latency, N={row['np']}, {row['size']} (ms)",
                            "value": row["time_ms"], "goal": f"< {TARGETS['latency_max_ms']}",
                            "met": row["time_ms"] < TARGETS["latency_max_ms"]})

@@ -12,7 +12,7 @@ Models:
 * ``mnist``: the model of ``examples/mnist/train.py`` (Dense 256-128-10, its own
   ``model_fn``), on the 8x8 digits that ship with scikit-learn, 64 examples per worker;
 * ``large``: an MLP 1024-1792x8-1000 (26.1M float32 parameters, 100 MiB of gradients)
-  on synthetic data;
+  on synthetic data (``--large-hidden`` narrows its hidden layers, for smoke runs);
 * ``resnet``: ``keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3),
   classes=10)`` (23.6M parameters, 161 gradient tensors, 90 MiB; logits out) on synthetic
   images, trained by the ``model.fit`` implementations only (its batch normalization
@@ -177,7 +177,8 @@ def _keras_package(legacy: bool) -> Any:
     return keras
 
 
-def _keras_model(model: str, keras: Any = None) -> Any:
+def _keras_model(model: str, keras: Any = None, large_hidden: int = LARGE["hidden"]) -> Any:
+    """``large_hidden``: the width of the large model's hidden layers (``--large-hidden``)."""
     if keras is None:
         import keras
     if model == "resnet":  # ResNet-50 for 32x32x3 inputs: 23.6M parameters, logits out
@@ -186,7 +187,7 @@ def _keras_model(model: str, keras: Any = None) -> Any:
     if model == "mnist":  # what examples/mnist/train.py's model_fn builds
         return keras.Sequential([keras.layers.Dense(256, activation="relu"), keras.layers.Dense(128, activation="relu"),
                                  keras.layers.Dense(10)])
-    return keras.Sequential([keras.layers.Dense(LARGE["hidden"], activation="relu") for _ in range(LARGE["layers"])]
+    return keras.Sequential([keras.layers.Dense(large_hidden, activation="relu") for _ in range(LARGE["layers"])]
                             + [keras.layers.Dense(LARGE["classes"])])
 
 
@@ -196,7 +197,7 @@ def _large_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
 
     from hostreduce.estimator import EstimatorSpec, compute_gradients
 
-    model = _keras_model("large")
+    model = _keras_model("large", large_hidden=params["large_hidden"])
     logits = model(features)
     loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
     optimizer = keras.optimizers.Adam(params["learning_rate"])
@@ -240,7 +241,8 @@ def _estimator_steps(strategy: Any, model: str, per_worker: int, plan: dict, ran
     keras.utils.set_random_seed(1)
     model_fn = _mnist_example().model_fn if model == "mnist" else _large_model_fn
     config = RunConfig(train_distribute=strategy, log_step_count_steps=None)
-    estimator = Estimator(model_fn, config=config, params={"learning_rate": LEARNING_RATE})
+    estimator = Estimator(model_fn, config=config,
+                          params={"learning_rate": LEARNING_RATE, "large_hidden": plan["large_hidden"]})
     stamps: list[tuple[float, float]] = []
     hook = lambda _s, _l: stamps.append((time.perf_counter(), _cpu_s()))  # noqa: E731
     estimator.train(input_fn, steps=max(1, plan["warmup"][model] - 1), hooks=[hook])
@@ -265,7 +267,7 @@ def _keras_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, 
     keras.utils.set_random_seed(1)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
-        net = _keras_model(model)
+        net = _keras_model(model, large_hidden=plan["large_hidden"])
         net.build((None, x.shape[1]))
         optimizer = keras.optimizers.Adam(LEARNING_RATE)
         optimizer.build(net.trainable_variables)
@@ -347,7 +349,7 @@ def _fit_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, si
     else:
         scope = contextlib.nullcontext()
     with scope:
-        net = _keras_model(model, keras)
+        net = _keras_model(model, keras, large_hidden=plan["large_hidden"])
         if not net.built:
             net.build((None,) + INPUT_SHAPE[model])
         optimizer = keras.optimizers.Adam(LEARNING_RATE)
@@ -852,6 +854,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="examples per worker, large model, on loopback (default 128)")
     p.add_argument("--batch-large-cluster", type=int, default=None,
                    help="examples per worker, large model, on the simulated cluster (default 768)")
+    p.add_argument("--large-hidden", type=int, default=LARGE["hidden"],
+                   help=f"width of the large model's {LARGE['layers']} hidden layers (default {LARGE['hidden']}; "
+                        "smaller for a faster smoke run)")
     p.add_argument("--batch-mnist", type=int, default=None, help="examples per worker, mnist model (default 64)")
     p.add_argument("--batch-resnet", type=int, default=None,
                    help=f"examples per worker, resnet model (default {RESNET_BATCH}; --quick: 4)")
@@ -900,7 +905,9 @@ def main(argv: list[str] | None = None) -> int:
     timeout = args.job_timeout or (100.0 if args.quick else 200.0)
     resnet_batch = args.batch_resnet or (4 if args.quick else RESNET_BATCH)
     np_of = {"resnet": C.parse_list(args.np_resnet, int)} if args.np_resnet else {}
-    plan = {"models": models, "paths": paths, "network_kinds": network_kinds, "np_of": np_of, "cores": cores,
+    if args.large_hidden < 1:
+        p.error(f"--large-hidden must be an integer >= 1. Received: {args.large_hidden}")
+    plan = {"models": models, "paths": paths, "large_hidden": args.large_hidden, "network_kinds": network_kinds, "np_of": np_of, "cores": cores,
             "inter_op_threads": 2, "worker_timeout_s": timeout - 10.0,
             "batch": {"loopback": {"mnist": args.batch_mnist or 64,
                                    "large": args.batch_large or (32 if args.quick else 128),
@@ -928,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
                      "plan": plan,
                      "model_details": {"mnist": "examples/mnist/train.py model_fn: Dense 256-128-10 on 64 features "
                                                 "(scikit-learn 8x8 digits)",
-                                       "large": f"MLP {LARGE['input']}-{LARGE['hidden']}x{LARGE['layers']}-"
+                                       "large": f"MLP {LARGE['input']}-{args.large_hidden}x{LARGE['layers']}-"
                                                 f"{LARGE['classes']}, synthetic standard-normal features",
                                        "resnet": "keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), "
                                                  "classes=10, classifier_activation=None), 23.6M parameters, "

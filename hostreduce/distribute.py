@@ -10,32 +10,43 @@ order; the job and the engine are those of :mod:`hostreduce.horovod` (the ring u
 one worker every call leaves its input as it is.
 
 ``fusion``, ``fusion_id``: accepted; every tensor is handed to the engine on its own
-as soon as it is produced. ``group``: only ``"hccl_world_group"`` (the whole job).
+as soon as it is produced. ``group``: ``"hccl_world_group"`` (the whole job) or a group
+made by ``create_group``.
+
+HCCL's ops and group management (:mod:`hostreduce.hccl`: ``create_group``,
+``get_rank_size``, ``get_rank_id``, ``allreduce``, ``allgather``, ``broadcast``,
+``reduce``, ``reduce_scatter``, ``send``, ``receive``, ``all_to_all_v_dynamic``, ...) are
+re-exported here.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from . import hccl
 from .errors import ConfigError
+from .hccl import (all_to_all_v_dynamic, allgather, allreduce, create_group, destroy_group, get_group_rank_from_world_rank,
+                   get_local_rank_id, get_local_rank_size, get_rank_id, get_rank_size, get_world_rank_from_group_rank,
+                   receive, reduce, reduce_scatter, send)
 from .horovod import _engine
 from .horovod._compression import Compression
 from .horovod._ops import Average, Max, Min, Sum, broadcast_variables, reduce_tensors
 
-__all__ = ["broadcast", "all_reduce", "shard_and_rebatch_dataset", "keras_optimizer_wrapper"]
+__all__ = ["broadcast", "all_reduce", "shard_and_rebatch_dataset", "keras_optimizer_wrapper",
+           *[n for n in hccl.__all__[1:] if n != "broadcast"]]
 
 WORLD_GROUP = "hccl_world_group"
 _REDUCTIONS = {"mean": Average, "sum": Sum, "max": Max, "min": Min}
 
 
-def _job_size(group: Any, fusion: Any, fusion_id: Any) -> int:
-    if group != WORLD_GROUP:
-        raise ConfigError(f"`group` must be {WORLD_GROUP!r} (collectives span the whole job). Received: group={group!r}")
+def _job_size(group: Any, fusion: Any, fusion_id: Any, groups: bool = False) -> int:
+    if group != WORLD_GROUP and not groups:
+        raise ConfigError(f"`group` must be {WORLD_GROUP!r} here (the whole job). Received: group={group!r}")
     for argument, value in (("fusion", fusion), ("fusion_id", fusion_id)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"`{argument}` must be an integer. Received: {argument}={value!r}")
     if not _engine.is_initialized():
         _engine.init()
-    return _engine.size()
+    return _engine.size() if group == WORLD_GROUP else hccl.get_rank_size(group)
 
 
 def _reduction(reduction: Any, argument: str) -> Any:
@@ -56,9 +67,13 @@ def broadcast(values: Any, root_rank: int = 0, fusion: int = 2, fusion_id: int =
     """
     import tensorflow as tf
 
-    size = _job_size(group, fusion, fusion_id)
+    size = _job_size(group, fusion, fusion_id, groups=True)
     if size == 1:
         return None
+    if group != WORLD_GROUP:
+        variables = tf.nest.flatten(values)
+        assigns = [v.assign(hccl.broadcast(tf.convert_to_tensor(v), root_rank, group=group)) for v in variables]
+        return None if tf.executing_eagerly() else tf.group(*[a for a in assigns if a is not None])
     return broadcast_variables(tf.nest.flatten(values), root_rank)
 
 
@@ -76,10 +91,15 @@ def all_reduce(values: Any, reduction: str = "mean", fusion: int = 1, fusion_id:
     import tensorflow as tf
 
     op = _reduction(reduction, "reduction")
-    size = _job_size(group, fusion, fusion_id)
+    size = _job_size(group, fusion, fusion_id, groups=True)
     if size == 1:
         return values
     flat = tf.nest.flatten(values, expand_composites=False)
+    if group != WORLD_GROUP:
+        sums = [hccl.allreduce(t, "sum" if reduction == "mean" else reduction, group=group) for t in flat]
+        if reduction == "mean":
+            sums = [s / tf.cast(size, s.dtype) if s.dtype.is_floating else s // size for s in sums]
+        return tf.nest.pack_sequence_as(values, sums)
     base = _engine.collective_name("all_reduce", None)
     reduced = reduce_tensors(flat, op, [f"{base}/{i}" for i in range(len(flat))])
     return tf.nest.pack_sequence_as(values, reduced)

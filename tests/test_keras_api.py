@@ -226,7 +226,7 @@ def test_clear_errors_for_unsupported_arguments(one_worker: None) -> None:
         hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2)
     with pytest.raises(ConfigError, match=r"`op=Adasum` is not supported"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), op=Adasum)
-    with pytest.raises(HostReduceError, match="`process_set` is not supported"):
+    with pytest.raises(HostReduceError, match="`process_set` other than hvd.global_process_set is not supported"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), process_set="pairs")
     with pytest.raises(ConfigError, match="`optimizer` must be a Keras optimizer"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))

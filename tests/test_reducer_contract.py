@@ -69,3 +69,51 @@ def test_mean_floors_integers_and_low_precision_is_float16_and_bfloat16():
     assert is_low_precision(np.dtype(np.float16)) and not is_low_precision(np.dtype(np.float32))
     ml_dtypes = pytest.importorskip("ml_dtypes")
     assert is_low_precision(np.dtype(ml_dtypes.bfloat16))
+
+
+def test_every_collective_on_one_rank_matches_numpy(reducer):
+    from collectives_check import agree, check_all
+
+    digests = check_all(reducer)
+    agree(reducer, digests)
+    assert len(digests["0"]) > 60
+
+
+def test_collective_arguments_are_checked(reducer):
+    x = np.ones((4, 2), np.float32)
+    with pytest.raises(ConfigError, match=r"`counts` must be 1 non-negative integers .* Received: counts=\[3\]"):
+        reducer.reduce_scatter("rs", x, counts=[3])
+    with pytest.raises(ConfigError, match=r"`splits` must be 1 non-negative integers .* Received: splits=\[-4\]"):
+        reducer.alltoall("a", x, splits=[-4])
+    with pytest.raises(ConfigError, match="needs at least one dimension"):
+        reducer.reduce_scatter("rs", np.float32(1))
+    with pytest.raises(ConfigError, match=r"`root` must be an integer in \[0, 1\). Received: root=2"):
+        reducer.reduce("r", x, root=2)
+    with pytest.raises(ConfigError, match="`dst` must be another rank than this one"):
+        reducer.send("s", x, 0)
+    with pytest.raises(ConfigError, match="`shape` must be a sequence of non-negative integers"):
+        reducer.recv("s", 0, (-1,), np.float32)
+    with pytest.raises(ConfigError, match="`compression` must be one of .* Received: compression='zip'"):
+        reducer.allreduce("x", x, compression="zip")
+    with pytest.raises(ConfigError, match=r"`ranks` must be a non-empty list of distinct integers in \[0, 1\). "
+                                          r"Received: ranks=\[0, 0\]"):
+        reducer.create_group([0, 0])
+    with pytest.raises(ConfigError, match="`group` must be None .* Received: group='g'"):
+        reducer.allreduce("x", x, group="g")
+    with pytest.raises(ConfigError, match="the world group cannot be destroyed"):
+        reducer.destroy_group(reducer.world)
+
+
+def test_groups_and_compression_on_one_rank(reducer):
+    from hostreduce.reducers.groups import make_group
+
+    g = make_group([3, 1], world_rank=1, world_size=4)
+    assert (g.ranks, g.rank, g.size, g.key, g.is_member) == ((1, 3), 0, 2, "1,3", True)
+    assert make_group([2], world_rank=0, world_size=4).rank == -1
+    assert reducer.create_group([0]) is reducer.world
+    x = np.array([1.0 + 2 ** -10, 3.0], np.float32)
+    out = np.empty_like(x)
+    assert reducer.allreduce("c", x, out=out, compression="bf16") is out
+    np.testing.assert_array_equal(out, np.array([1.0, 3.0], np.float32))  # rounded through bfloat16
+    assert reducer.allreduce("c", x, compression="fp16")[0] == np.float32(np.float16(x[0]))
+    np.testing.assert_array_equal(reducer.allreduce("i", np.arange(3), compression="bf16"), np.arange(3))

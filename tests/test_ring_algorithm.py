@@ -275,7 +275,7 @@ def test_ranks_all_blocked_on_names_not_common_to_all_fail_together_after_settli
     coord.on_ready(0, [entry("a")])  # the names are free again
     coord.on_ready(1, [entry("a")])
     coord.on_ready(2, [entry("a")])
-    assert plans[-1] == {"kind": "allreduce", "names": ["a"]}
+    assert plans[-1] == {"kind": "allreduce", "names": ["a"], "sid": 1}
 
 
 def test_a_rank_that_submits_or_stops_waiting_is_not_blocked():

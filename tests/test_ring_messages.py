@@ -64,7 +64,7 @@ def test_inline_data_is_a_view_and_must_add_up():
     (b"\x01", "too short"),
     (b"\x63\x02\x00\x00\x00[]", "unknown control message code 99"),
     (b"\x01\x02\x00\x00\x00[]", "malformed Beat"),
-    (b"\x06\x0c\x00\x00\x00[0,[[9,[]]]]", "unknown plan step code 9"),
+    (b"\x06\x0d\x00\x00\x00[0,[[99,[]]]]", "unknown plan step code 99"),
     (b"\x01\x03\x00\x00\x00[1]x", "does not match"),
 ])
 def test_malformed_messages_are_value_errors(payload, match):

@@ -3,8 +3,9 @@
 A script written for ``horovod.tensorflow`` (or Graphcore's ``ipu.horovod``) runs after
 changing its import line: ``hvd.init()``, ``hvd.rank()``, ``hvd.size()``, ... to shard
 its data and pick its device; ``hvd.allreduce``, ``hvd.allgather``, ``hvd.broadcast``,
-``hvd.broadcast_variables`` and ``hvd.DistributedGradientTape`` eagerly or inside
-``tf.function``. The job is found as the strategies find it: under ``mpirun`` from the
+``hvd.broadcast_variables``, ``hvd.reducescatter``, ``hvd.alltoall`` and
+``hvd.DistributedGradientTape`` eagerly or inside ``tf.function``, on the whole job or on
+process sets (``hvd.add_process_set``). The job is found as the strategies find it: under ``mpirun`` from the
 launcher's variables (engine: Horovod's core ops where they load, else MPI), otherwise
 from ``TF_CONFIG`` (``hostreduce run`` sets it; engine: the ring), otherwise a single
 process. Importing this module does not import TensorFlow.
@@ -17,14 +18,17 @@ from typing import Any
 from ._compression import Compression
 from ._engine import (NotInitializedError, cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                       rank, shutdown, size)
-from ._ops import (Adasum, Average, Max, Min, Product, ProcessSet, ReduceOp, Sum, allgather, allreduce, broadcast,
-                   broadcast_variables, global_process_set, grouped_allreduce)
+from ._collectives import alltoall, grouped_reducescatter, reducescatter
+from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allreduce, broadcast,
+                   broadcast_variables, grouped_allreduce)
+from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "DistributedGradientTape",
     "Average", "Sum", "Min", "Max", "Adasum", "Product", "ReduceOp", "Compression", "ProcessSet",
-    "global_process_set", "NotInitializedError",
+    "global_process_set", "add_process_set", "remove_process_set", "reducescatter", "grouped_reducescatter",
+    "alltoall", "NotInitializedError",
 ]
 
 # Names that need TensorFlow at import: loaded on first use.

@@ -147,7 +147,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     Args:
         comm: accepted for Horovod compatibility; only None (the whole job) is supported.
-        process_sets: accepted for Horovod compatibility; only None is supported.
+        process_sets: ProcessSets (or rank lists) to register, as ``hvd.add_process_set``
+            does; ``"dynamic"`` is accepted (sets can always be added later).
     """
     global _job, _flush_registered
     if comm is not None:
@@ -155,17 +156,17 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "`comm` is not supported: hostreduce.horovod.init() always spans the whole job. "
             f"Received: comm={comm!r}"
         )
-    if process_sets is not None:
-        raise HostReduceError(
-            "`process_sets` is not supported: hostreduce.horovod collectives always span the whole job. "
-            f"Received: process_sets={process_sets!r}"
-        )
     with _lock:
         if _job is None:
             _job = Job(spec_from_mpi_env(os.environ) or resolve_cluster())
             if _job.timeline.enabled and not _flush_registered:
                 _flush_registered = True
                 atexit.register(_flush_at_exit)
+    if process_sets is not None:
+        from ._process_sets import register_initial
+
+        channel()  # the engine, started on this thread
+        register_initial(process_sets)
 
 
 def _flush_at_exit() -> None:
@@ -180,6 +181,9 @@ def shutdown() -> None:
     with _lock:
         job, _job = _job, None
     if job is not None:
+        from ._process_sets import forget_all
+
+        forget_all()
         job.close()
 
 
@@ -255,14 +259,15 @@ def cross_size() -> int:
 # unnamed collective created while tracing function F (or the n-th one run eagerly) is
 # the same collective everywhere. Counting per traced graph, not per process, keeps
 # names equal when one rank retraces a function that another did not.
-_graph_counts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-_eager_count = 0
+_graph_counts: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+_eager_counts: dict[str, int] = {}
 _names_lock = threading.Lock()
 
 
 def collective_name(kind: str, name: str | None) -> str:
-    """``name`` when given, else ``hvd.<function>.<kind>.<n>`` (``hvd.eager...`` eagerly)."""
-    global _eager_count
+    """``name`` when given, else ``hvd.<function>.<kind>.<n>`` (``hvd.eager...`` eagerly),
+    counted per kind: ranks that run different collectives on different groups (which
+    name their group in ``kind``) still agree on every name."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise HostReduceError(f"`name` must be a non-empty string or None. Received: name={name!r}")
@@ -271,9 +276,9 @@ def collective_name(kind: str, name: str | None) -> str:
 
     with _names_lock:
         if tf.executing_eagerly():
-            _eager_count += 1
-            return f"hvd.eager.{kind}.{_eager_count}"
+            count = _eager_counts[kind] = _eager_counts.get(kind, 0) + 1
+            return f"hvd.eager.{kind}.{count}"
         graph = tf.compat.v1.get_default_graph()
-        count = _graph_counts.get(graph, 0) + 1
-        _graph_counts[graph] = count
+        counts = _graph_counts.setdefault(graph, {})
+        count = counts[kind] = counts.get(kind, 0) + 1
         return f"hvd.{graph.name}.{kind}.{count}"

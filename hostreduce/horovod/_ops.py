@@ -14,6 +14,7 @@ from ..errors import ConfigError, HostReduceError
 from ..streaming import Collective, exchange
 from . import _engine
 from ._compression import Compression
+from ._process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
            "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors",
@@ -38,36 +39,31 @@ Sum = ReduceOp("Sum", "sum")
 Min = ReduceOp("Min", "min")
 Max = ReduceOp("Max", "max")
 Adasum = ReduceOp("Adasum", None)
-Product = ReduceOp("Product", None)
-
-
-class ProcessSet:
-    """The whole job: the one process set hostreduce supports (``hvd.global_process_set``)."""
-
-    process_set_id = 0
-
-    def size(self) -> int:
-        return _engine.size()
-
-    def rank(self) -> int:
-        return _engine.rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "global_process_set"
-
-
-global_process_set = ProcessSet()
+Product = ReduceOp("Product", "prod")
 
 
 def _check_process_set(process_set: Any) -> None:
+    """Gradient reduction (the tape, the optimizer wrappers) spans the whole job."""
     if process_set is not None and process_set is not global_process_set:
         raise HostReduceError(
-            "`process_set` is not supported: hostreduce.horovod collectives always span the whole job. "
+            "`process_set` other than hvd.global_process_set is not supported for gradient reduction "
+            f"(DistributedGradientTape, DistributedOptimizer); use it with the collectives. "
             f"Received: process_set={process_set!r}"
         )
+
+
+def _kind(kind: str, process_set: Any) -> str:
+    """A collective's kind for naming, with its process set's ranks."""
+    if process_set is None or process_set is global_process_set or not isinstance(process_set, ProcessSet):
+        return kind
+    return f"{kind}@{','.join(map(str, process_set.ranks or ()))}"
+
+
+def _on_set(process_set: Any) -> bool:
+    """Whether ``process_set`` is a set other than the whole job (checked: registered,
+    and this rank a member)."""
+    group_of(process_set)
+    return process_set is not None and process_set is not global_process_set
 
 
 def resolve_op(op: Any, average: Any = None) -> ReduceOp:
@@ -79,10 +75,12 @@ def resolve_op(op: Any, average: Any = None) -> ReduceOp:
     if op is None:
         op = Average
     if not isinstance(op, ReduceOp):
-        raise ConfigError(f"`op` must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max. Received: op={op!r}")
+        raise ConfigError(f"`op` must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product. "
+                          f"Received: op={op!r}")
     if op.engine_op is None:
         raise ConfigError(
-            f"`op={op!r}` is not supported by hostreduce.horovod; use Average, Sum, Min or Max. Received: op={op!r}"
+            f"`op={op!r}` is not supported by hostreduce.horovod; use Average, Sum, Min, Max or Product. "
+            f"Received: op={op!r}"
         )
     return op
 
@@ -93,6 +91,12 @@ def _check_compression(compression: Any) -> None:
             "`compression` must be Compression.none, Compression.fp16 or an object with compress() and "
             f"decompress(). Received: compression={compression!r}"
         )
+
+
+def tf_tensor(value: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(value)
 
 
 def _scale(tensor: Any, factor: Any, argument: str) -> Any:
@@ -197,17 +201,23 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
         prescale_factor, postscale_factor: multiply before / after the reduction.
         name: the collective's name, equal on every rank; default: derived from the
             position of the call in the traced function (or in eager order).
-        process_set: only the whole job (``hvd.global_process_set``) is supported.
+        process_set: ``hvd.global_process_set`` (the job) or a registered ProcessSet.
         ignore_name_scope: accepted; names never include TensorFlow name scopes.
 
     Returns:
         A tensor of the input's shape and dtype (a ``tf.IndexedSlices`` for one).
     """
     _engine.job()
-    _check_process_set(process_set)
     _check_compression(compression)
     rop = resolve_op(op, average)
-    full_name = _engine.collective_name("allreduce", name)
+    full_name = _engine.collective_name(_kind("allreduce", process_set), name)
+    if _on_set(process_set):
+        from ._collectives import group_allreduce
+
+        scaled = _scale(tf_tensor(tensor), prescale_factor, "prescale_factor")
+        wire, ctx = compression.compress(scaled)
+        return _scale(compression.decompress(group_allreduce(wire, rop, full_name, process_set), ctx),
+                      postscale_factor, "postscale_factor")
     return reduce_tensors([tensor], rop, [full_name], compression=compression, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, chained=True)[0]
 
@@ -222,12 +232,15 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     results are waited for once every tensor of the group has been handed off.
     """
     _engine.job()
-    _check_process_set(process_set)
     _check_compression(compression)
     if not tensors:
         return list(tensors)
     rop = resolve_op(op, average)
-    base = _engine.collective_name("grouped_allreduce", name)
+    base = _engine.collective_name(_kind("grouped_allreduce", process_set), name)
+    if _on_set(process_set):
+        return [allreduce(t, compression=compression, op=rop, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, name=f"{base}/{i}", process_set=process_set)
+                for i, t in enumerate(tensors)]
     return reduce_tensors(list(tensors), rop, [f"{base}/{i}" for i in range(len(tensors))], compression=compression,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
@@ -240,15 +253,24 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     be equal. A scalar is gathered as a vector of one element per rank.
     """
     channel = _engine.channel()
-    _check_process_set(process_set)
-    full_name = _engine.collective_name("allgather", name)
+    full_name = _engine.collective_name(_kind("allgather", process_set), name)
+    if _on_set(process_set):
+        from ._collectives import group_allgather
+
+        return group_allgather(tensor, full_name, process_set)
     return exchange(channel, [tensor], [Collective("allgather", full_name)], chained=True)[0]
 
 
-def _check_root(root_rank: Any) -> int:
+def _check_root(root_rank: Any, process_set: Any = None) -> int:
+    """``root_rank`` (a rank of the job, as Horovod counts it also for process sets)
+    checked; with a set other than the job, its rank within the set."""
     world = _engine.size()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < world:
         raise ConfigError(f"`root_rank` must be an integer in [0, {world}). Received: root_rank={root_rank!r}")
+    if process_set is not None and process_set is not global_process_set:
+        if root_rank not in process_set.ranks:
+            raise ConfigError(f"`root_rank` must be a member of {process_set!r}. Received: root_rank={root_rank}")
+        return process_set.ranks.index(root_rank)
     return root_rank
 
 
@@ -256,9 +278,13 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
               process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank (shape and dtype equal everywhere)."""
     channel = _engine.channel()
-    _check_process_set(process_set)
-    root = _check_root(root_rank)
-    full_name = _engine.collective_name("broadcast", name)
+    on_set = _on_set(process_set)
+    root = _check_root(root_rank, process_set)
+    full_name = _engine.collective_name(_kind("broadcast", process_set), name)
+    if on_set:
+        from ._collectives import group_broadcast
+
+        return group_broadcast(tensor, root, full_name, process_set)
     return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
 
 
@@ -275,12 +301,18 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
     ``tf.function`` the returned op performs it (as Horovod). ``inplace`` is accepted.
     """
     channel = _engine.channel()
-    _check_process_set(process_set)
-    root = _check_root(root_rank)
+    on_set = _on_set(process_set)
+    root = _check_root(root_rank, process_set)
     variables = list(variables)
     import tensorflow as tf
 
-    base = _engine.collective_name("broadcast_variables", None)
+    base = _engine.collective_name(_kind("broadcast_variables", process_set), None)
+    if on_set:
+        from ._collectives import group_broadcast
+
+        values = [group_broadcast(v, root, f"{base}/{i}", process_set) for i, v in enumerate(variables)]
+        assigns = [v.assign(value) for v, value in zip(variables, values)]
+        return None if tf.executing_eagerly() else tf.group(*[a for a in assigns if a is not None])
     collectives = [Collective("broadcast", f"{base}/{i}", root=root, label=_label(v, i))
                    for i, v in enumerate(variables)]
     values = exchange(channel, [tf.convert_to_tensor(v) for v in variables], collectives)

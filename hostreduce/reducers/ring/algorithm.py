@@ -24,7 +24,7 @@ import numpy as np
 
 from ..base import ReduceOp, apply_mean
 
-__all__ = ["Link", "segment_bounds", "reduce_into", "finalize", "ring_allreduce", "pair_allreduce",
+__all__ = ["Link", "segment_bounds", "reduce_into", "reduce_pair", "finalize", "ring_allreduce", "pair_allreduce",
            "ring_allgather", "ring_broadcast"]
 
 
@@ -55,6 +55,11 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool 
         _UFUNCS[op](src, dst, out=dst)
     else:
         _UFUNCS[op](dst, src, out=dst)
+
+
+def reduce_pair(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
+    """out = a (op) b, elementwise (``reduce_into`` with the first operand elsewhere)."""
+    _UFUNCS[op](a, b, out=out)
 
 
 # Turn a sum into a mean (floor division for integers), as every engine does.

@@ -76,11 +76,17 @@ class Control:
         self._queue.put(None)
 
     # ------------------------------------------------------------------ announcing
-    def entry(self, name: str, kind: str, arr: np.ndarray, op: ReduceOp, root: int) -> Entry:
-        """The announcement of a collective; a small all-reduce over gRPC carries its data."""
+    def entry(self, name: str, kind: str, arr: np.ndarray, op: ReduceOp, root: int,
+              group: tuple[int, ...] | None = None, counts: list[int] | None = None) -> Entry:
+        """The announcement of a collective (``group``: its world ranks, None for the
+        world); a small all-reduce of the world over gRPC carries its data."""
         entry: Entry = {"name": name, "kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
                         "op": op.value, "root": root, "nbytes": int(arr.nbytes)}
-        if (kind == "allreduce" and self._paths.transport == "grpc"
+        if group is not None:
+            entry["group"] = list(group)
+        if counts is not None:
+            entry["counts"] = list(counts)
+        if (kind == "allreduce" and group is None and self._paths.transport == "grpc"
                 and arr.nbytes * (self._size - 1) <= _GATHER_MAX_BYTES):
             entry["_data"] = arr
         return entry

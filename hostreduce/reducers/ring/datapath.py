@@ -1,8 +1,11 @@
 """Runs one planned collective on this rank's data path: the shared-memory group when
 every rank is on one host, else the ring over gRPC, where small all-reduces go through
 rank 0 with their announcements (and two ranks exchange their buffers: the ring at
-N = 2). The caller has already agreed with every rank on what
-runs next; this module only moves and reduces the data."""
+N = 2). A process group's collectives (``group``: its world ranks; empty: the world),
+and sends and receives, always take the gRPC links between its members
+(``collectives.GroupLink``): shared memory is synchronised job-wide. The caller has
+already agreed with every rank on what runs next; this module only moves and reduces
+the data."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -10,7 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..base import ReduceOp
-from . import algorithm
+from . import algorithm, collectives, shm_scatter
+from ._buffers import ResultPool
 
 __all__ = ["DataPath"]
 
@@ -22,36 +26,45 @@ class DataPath:
         self._link = link
         self._shm = shm
         self._fusion: dict[np.dtype, np.ndarray] = {}
+        self._results = ResultPool()   # the new arrays collectives return
 
     def _chunk_elems(self, itemsize: int) -> int:
         return max(1, self._chunk_bytes // itemsize)
 
+    def _on(self, group: Sequence[int]) -> tuple[int, int, Any, Any]:
+        """(this rank's rank in ``group``, its size, its link, shared memory or None)."""
+        if not group or len(group) == self.size:
+            return self.rank, self.size, self._link, self._shm
+        me = list(group).index(self.rank)
+        return me, len(group), collectives.GroupLink(self._link, group, me), None
+
     def allreduce(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], op: ReduceOp, tag: int,
-                  gathered: bool = False, parts: Sequence[Sequence[Any]] | None = None) -> None:
+                  gathered: bool = False, parts: Sequence[Sequence[Any]] | None = None,
+                  group: Sequence[int] = ()) -> None:
         """Reduce ``arrays`` (one fused bucket, same dtype) into ``outs``. ``gathered``:
         every rank sent its data to rank 0 with the announcements; ``parts`` (rank 0
         only) holds each tensor's contributions in rank order."""
+        rank, size, link, shm = self._on(group)
         dtype = arrays[0].dtype
         flats_in = [a.reshape(-1) for a in arrays]
         n = sum(f.size for f in flats_in)
         work = outs[0].reshape(-1) if len(arrays) == 1 else self._fusion_buffer(dtype, n)
         if gathered:
             self._gathered(flats_in, parts, work, op, tag)
-        elif self._shm is not None and not self._shm.direct_available():
-            self._shm.allreduce(flats_in, dtype, n, op, work)
+        elif shm is not None and not shm.direct_available():
+            shm.allreduce(flats_in, dtype, n, op, work)
         else:
             off = 0
             for f in flats_in:
                 if work[off:off + f.size].__array_interface__["data"][0] != f.__array_interface__["data"][0]:
                     work[off:off + f.size] = f
                 off += f.size
-            if self._shm is not None:
-                self._shm.allreduce_direct(work, op)
-            elif self.size == 2:
-                algorithm.pair_allreduce(work, self.rank, self._link, op, self._chunk_elems(dtype.itemsize), tag)
+            if shm is not None:
+                shm.allreduce_direct(work, op)
+            elif size == 2:
+                algorithm.pair_allreduce(work, rank, link, op, self._chunk_elems(dtype.itemsize), tag)
             else:
-                algorithm.ring_allreduce(work, self.rank, self.size, self._link, op,
-                                         self._chunk_elems(dtype.itemsize), tag)
+                algorithm.ring_allreduce(work, rank, size, link, op, self._chunk_elems(dtype.itemsize), tag)
         if len(arrays) > 1:
             off = 0
             for o in outs:
@@ -84,29 +97,88 @@ class DataPath:
             self._fusion[dtype] = buf
         return buf[:n]
 
-    def broadcast(self, array: np.ndarray, root: int, tag: int) -> np.ndarray:
-        out = np.array(array, copy=True, order="C")
+    def broadcast(self, array: np.ndarray, root: int, tag: int, group: Sequence[int] = ()) -> np.ndarray:
+        rank, size, link, shm = self._on(group)
+        out = self._results.empty(array.shape, array.dtype)
+        out[...] = array
         flat = out.reshape(-1)
-        if self.size > 1 and flat.size:
-            if self._shm is not None:
-                self._shm.broadcast(flat, root)
+        if size > 1 and flat.size:
+            if shm is not None:
+                shm.broadcast(flat, root)
             else:
-                algorithm.ring_broadcast(flat, root, self.rank, self.size, self._link,
-                                         self._chunk_elems(out.dtype.itemsize), tag)
+                algorithm.ring_broadcast(flat, root, rank, size, link, self._chunk_elems(out.dtype.itemsize), tag)
         return out
 
-    def allgather(self, array: np.ndarray, counts: Sequence[int], tag: int) -> np.ndarray:
+    def allgather(self, array: np.ndarray, counts: Sequence[int], tag: int, group: Sequence[int] = ()) -> np.ndarray:
+        rank, size, link, shm = self._on(group)
         inner = array.shape[1:]
-        per = int(np.prod(inner, dtype=np.int64)) if inner else 1
+        per = _row(inner)
         elems = [c * per for c in counts]
-        out = np.empty((sum(counts),) + inner, array.dtype)
+        out = self._results.empty((sum(counts),) + inner, array.dtype)
         flat = out.reshape(-1)
-        if self._shm is not None:
-            self._shm.allgather(np.ascontiguousarray(array).reshape(-1), elems, flat)
+        if shm is not None:
+            shm.allgather(np.ascontiguousarray(array).reshape(-1), elems, flat)
         else:
-            off = sum(elems[: self.rank])
-            flat[off:off + elems[self.rank]] = array.reshape(-1)
-            if self.size > 1:
-                algorithm.ring_allgather(flat, elems, self.rank, self.size, self._link,
-                                         self._chunk_elems(out.dtype.itemsize), tag)
+            off = sum(elems[:rank])
+            flat[off:off + elems[rank]] = array.reshape(-1)
+            if size > 1:
+                algorithm.ring_allgather(flat, elems, rank, size, link, self._chunk_elems(out.dtype.itemsize), tag)
         return out
+
+    def reduce_scatter(self, array: np.ndarray, op: ReduceOp, counts: Sequence[int], tag: int,
+                       group: Sequence[int] = ()) -> np.ndarray:
+        """This rank's rows (``counts`` per group rank) of the reduction of ``array``."""
+        rank, size, link, shm = self._on(group)
+        per = _row(array.shape[1:])
+        bounds = collectives.offsets([c * per for c in counts])
+        out = self._results.empty((counts[rank],) + array.shape[1:], array.dtype)
+        if shm is not None and size > 1:
+            shm_scatter.reduce_scatter(shm, array.reshape(-1), bounds, op, out.reshape(-1))
+            return out
+        collectives.ring_reduce_scatter(np.ascontiguousarray(array).reshape(-1), out.reshape(-1), bounds, rank, size,
+                                        link, op, self._chunk_elems(array.dtype.itemsize), tag)
+        return out
+
+    def reduce(self, array: np.ndarray, op: ReduceOp, root: int, tag: int,
+               group: Sequence[int] = ()) -> np.ndarray | None:
+        """The reduction of ``array`` on the group's ``root``; None elsewhere."""
+        rank, size, link, shm = self._on(group)
+        out = self._results.empty(array.shape if rank == root or shm is not None else (0,), array.dtype)
+        if shm is not None and size > 1:  # one host: as cheap as its all-reduce
+            self.allreduce([array], [out], op, tag)
+            return out if rank == root else None
+        collectives.ring_reduce(np.ascontiguousarray(array).reshape(-1), out.reshape(-1), root, rank, size, link, op,
+                                self._chunk_elems(array.dtype.itemsize), tag)
+        return out if rank == root else None
+
+    def alltoall(self, array: np.ndarray, splits: Sequence[Sequence[int]], tag: int,
+                 group: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """What every group rank sends here (``splits[i][rank]`` rows from rank i), in
+        rank order, and those counts."""
+        rank, size, link, shm = self._on(group)
+        inner = array.shape[1:]
+        per = _row(inner)
+        received = [row[rank] for row in splits]
+        out = self._results.empty((sum(received),) + inner, array.dtype)
+        flat = np.ascontiguousarray(array).reshape(-1)
+        if shm is not None and size > 1:
+            shm_scatter.alltoall(shm, flat, [[c * per for c in row] for row in splits], out.reshape(-1))
+        else:
+            collectives.alltoallv(flat, [c * per for c in splits[rank]], out.reshape(-1), [c * per for c in received],
+                                  rank, size, link, self._chunk_elems(array.dtype.itemsize), tag)
+        return out, np.array(received, np.int32)
+
+    def send(self, array: np.ndarray, dst: int, tag: int) -> None:
+        """Send ``array`` to world rank ``dst`` (which receives it in the same step)."""
+        collectives.send_array(np.ascontiguousarray(array).reshape(-1), dst, self._link,
+                               self._chunk_elems(array.dtype.itemsize), tag)
+
+    def recv(self, out: np.ndarray, src: int, tag: int) -> np.ndarray:
+        """Receive into ``out`` (C-contiguous) the array world rank ``src`` sends."""
+        collectives.recv_array(out.reshape(-1), src, self._link, self._chunk_elems(out.dtype.itemsize), tag)
+        return out
+
+
+def _row(inner: tuple[int, ...]) -> int:
+    """Elements per row of an array whose rows have shape ``inner``."""
+    return int(np.prod(inner, dtype=np.int64)) if inner else 1

@@ -1,8 +1,11 @@
 """The execution plane: running rank 0's plans, step by step in their order, on this
 rank's data path, and completing the handles.
 
-Every rank runs the same steps in the same order, so the data path's collectives match
-across ranks with no further agreement (their tags count the steps that move data).
+Every rank runs the steps it takes part in (those of its groups, its sends and
+receives) in plan order, so the data path's collectives match across ranks with no
+further agreement, and those of disjoint groups run at once. Their data is tagged with
+the step's number from the plan (a per-rank count would differ between ranks that skip
+different steps).
 Steps run on the executor thread; on one host a follower's pipe reader runs the plans
 itself as they arrive, saving a thread hand-off per collective, and the fast lane runs
 its agreed all-reduces on the calling thread. A step takes its entries out of the
@@ -25,7 +28,8 @@ import numpy as np
 from ...errors import (CollectiveTimeoutError, HostReduceError, PeerLostError, TensorMismatchError,
                        UnmatchedCollectiveError)
 from .datapath import DataPath
-from .messages import AllGather, AllReduce, Barrier, Broadcast, Cause, Fail, Step
+from .messages import (AllGather, AllReduce, AllToAll, Barrier, Broadcast, Cause, Fail, P2P, Reduce, ReduceScatter,
+                       Step, step_ranks)
 from .pending import Pending, PendingTable
 
 __all__ = ["Execution"]
@@ -57,7 +61,6 @@ class Execution:
         self._fail, self._explain_os_error = fail, explain_os_error
         self._data: DataPath | None = None
         self._inline = False
-        self._tag = 0
         self._plans: "queue.SimpleQueue[_Queued]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._executor, name=f"hostreduce-ring-{rank}", daemon=True)
 
@@ -107,6 +110,9 @@ class Execution:
                 if isinstance(step, Fail):
                     self._failed(step)
                     continue
+                ranks = step_ranks(step)
+                if ranks and self._rank not in ranks:
+                    continue
                 entries = self._table.take(step.names)
                 self._execute(step, entries)
             except Exception as e:  # an engine bug must not leave ranks hanging
@@ -143,15 +149,26 @@ class Execution:
         if isinstance(step, Barrier):
             entries[0].handle.set_result(None)
             return
-        self._tag += 1
         if isinstance(step, AllReduce):
             self._allreduce(data, step, entries)
-        elif isinstance(step, Broadcast):
-            p = entries[0]
-            p.handle.set_result(data.broadcast(p.array, p.root, self._tag))
+            return
+        p, tag = entries[0], step.sid
+        if isinstance(step, Broadcast):
+            p.handle.set_result(data.broadcast(p.array, p.root, tag, step.group))
         elif isinstance(step, AllGather):
-            p = entries[0]
-            p.handle.set_result(data.allgather(p.array, step.counts, self._tag))
+            p.handle.set_result(data.allgather(p.array, step.counts, tag, step.group))
+        elif isinstance(step, ReduceScatter):
+            p.handle.set_result(data.reduce_scatter(p.array, p.op, step.counts, tag, step.group))
+        elif isinstance(step, Reduce):
+            p.handle.set_result(data.reduce(p.array, p.op, step.root, tag, step.group))
+        elif isinstance(step, AllToAll):
+            p.handle.set_result(data.alltoall(p.array, step.splits, tag, step.group))
+        elif isinstance(step, P2P):
+            if self._rank == step.src:
+                data.send(p.array, step.dst, tag)
+                p.handle.set_result(None)
+            else:
+                p.handle.set_result(data.recv(p.array, step.src, tag))
 
     def _allreduce(self, data: DataPath, step: AllReduce, entries: list[Pending]) -> None:
         stats = self._table.stats
@@ -163,7 +180,7 @@ class Execution:
         if step.gather and self._rank == 0:
             assert step.parts is not None
             parts = [step.parts[n] for n in step.names]
-        data.allreduce([p.array for p in entries], outs, entries[0].op, self._tag, step.gather, parts)
+        data.allreduce([p.array for p in entries], outs, entries[0].op, step.sid, step.gather, parts, step.group)
         for p, o in zip(entries, outs):
             p.handle.set_result(o)
 

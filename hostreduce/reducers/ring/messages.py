@@ -12,8 +12,11 @@ order. ``decode`` checks the code, the number of fields and that the data adds u
 malformed message fails as a ``ValueError`` where it is read.
 
 A collective is described by an ``Entry`` (what a rank submitted) and planned as a
-step (``AllReduce``, ``Broadcast``, ``AllGather``, ``Barrier`` or ``Fail``) that every
-rank runs in the order of the plan. The coordinator (``negotiation.py``) works on
+step (``AllReduce``, ``Broadcast``, ``AllGather``, ``ReduceScatter``, ``Reduce``,
+``AllToAll``, ``P2P``, ``Barrier`` or ``Fail``) that every rank taking part runs in the
+order of the plan; a step names its ``group`` (world ranks; empty: the world) and
+carries ``sid``, the coordinator's number for it, which tags its data frames (ranks
+skip the steps of groups they are not in, so no per-rank count could). The coordinator (``negotiation.py``) works on
 entries and plain plan items; ``steps`` turns its items into steps, once, on rank 0.
 """
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Any, Callable, NotRequired, TypedDict, Union
 import numpy as np
 
 __all__ = [
-    "Entry", "PlanItem", "Cause", "AllReduce", "Broadcast", "AllGather", "Barrier", "Fail", "Step",
+    "Entry", "PlanItem", "Cause", "AllReduce", "Broadcast", "AllGather", "ReduceScatter", "Reduce", "AllToAll",
+    "P2P", "Barrier", "Fail", "Step", "step_ranks",
     "Beat", "Join", "Welcome", "Ready", "Blocked", "Plan", "Departed", "PeerFailure", "Message",
     "steps", "encode", "decode", "encode_split",
 ]
@@ -39,12 +43,15 @@ class Entry(TypedDict):
     """A collective as one rank submitted it (its announcement to rank 0)."""
 
     name: str
-    kind: str           # "allreduce", "broadcast", "allgather" or "barrier"
+    kind: str           # "allreduce", "broadcast", "allgather", "reducescatter", "reduce", "alltoall",
+                        # "send", "recv" or "barrier"
     dtype: str
     shape: list[int]
     op: str
-    root: int
+    root: int           # broadcast/reduce: the root; send: the destination; recv: the source (group ranks)
     nbytes: int
+    group: NotRequired[list[int]]    # the group's world ranks (absent: the world)
+    counts: NotRequired[list[int]]   # reduce-scatter: rows per group rank; all-to-all: this rank's splits
     _data: NotRequired[Any]   # the data itself, sent along (small all-reduces over gRPC)
 
 
@@ -55,7 +62,13 @@ class PlanItem(TypedDict, total=False):
     names: list[str]
     gather: bool        # every rank sent its data along: rank 0 reduces it
     _parts: dict[str, list[Any]]   # rank 0 only: each name's data, in rank order
-    counts: list[int]   # all-gather: every rank's first dimension
+    counts: list[int]   # all-gather: every rank's first dimension; reduce-scatter: the counts
+    group: list[int]    # the group's world ranks (empty: the world)
+    sid: int            # the step's number, which tags its data
+    root: int           # reduce: the root (group rank)
+    splits: list[list[int]]   # all-to-all: every rank's splits, in group-rank order
+    src: int            # send/receive: the world ranks of the pair
+    dst: int
     etype: str          # error: a Cause value
     ranks: list[int]    # error: the ranks that fail
     error: str
@@ -77,22 +90,61 @@ class AllReduce:
     names: list[str]           # one fused bucket, in order
     gather: bool = False       # rank 0 holds every rank's data and sends the result
     parts: dict[str, list[Any]] | None = field(default=None, compare=False)  # rank 0 only; never sent
+    group: tuple[int, ...] = ()  # world ranks; empty: the world
+    sid: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
     names: list[str]
+    group: tuple[int, ...] = ()
+    sid: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class AllGather:
     names: list[str]
-    counts: list[int]          # every rank's first dimension, in rank order
+    counts: list[int]          # every rank's first dimension, in group-rank order
+    group: tuple[int, ...] = ()
+    sid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatter:
+    names: list[str]
+    counts: list[int]          # rows of the result per group rank
+    group: tuple[int, ...] = ()
+    sid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    names: list[str]
+    root: int                  # a group rank
+    group: tuple[int, ...] = ()
+    sid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllToAll:
+    names: list[str]
+    splits: list[list[int]]    # splits[i][j]: rows group rank i sends to group rank j
+    group: tuple[int, ...] = ()
+    sid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class P2P:
+    names: list[str]
+    src: int                   # world ranks: the sender and the receiver
+    dst: int
+    sid: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Barrier:
     names: list[str]
+    group: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +155,31 @@ class Fail:
     error: str
 
 
-Step = Union[AllReduce, Broadcast, AllGather, Barrier, Fail]
+Step = Union[AllReduce, Broadcast, AllGather, ReduceScatter, Reduce, AllToAll, P2P, Barrier, Fail]
+
+
+def step_ranks(step: Step) -> tuple[int, ...] | list[int]:
+    """The world ranks that take part in ``step`` (empty: every rank)."""
+    if isinstance(step, P2P):
+        return (step.src, step.dst)
+    if isinstance(step, Fail):
+        return step.ranks
+    return step.group
+
+
+def _g(it: PlanItem) -> dict[str, Any]:
+    return {"group": tuple(it.get("group", ())), "sid": it.get("sid", 0)}
+
 
 _FROM_ITEM: dict[str, Callable[[PlanItem], Step]] = {
-    "allreduce": lambda it: AllReduce(it["names"], it.get("gather", False), it.get("_parts")),
-    "broadcast": lambda it: Broadcast(it["names"]),
-    "allgather": lambda it: AllGather(it["names"], it["counts"]),
-    "barrier": lambda it: Barrier(it["names"]),
+    "allreduce": lambda it: AllReduce(it["names"], it.get("gather", False), it.get("_parts"), **_g(it)),
+    "broadcast": lambda it: Broadcast(it["names"], **_g(it)),
+    "allgather": lambda it: AllGather(it["names"], it["counts"], **_g(it)),
+    "reducescatter": lambda it: ReduceScatter(it["names"], it["counts"], **_g(it)),
+    "reduce": lambda it: Reduce(it["names"], it["root"], **_g(it)),
+    "alltoall": lambda it: AllToAll(it["names"], it["splits"], **_g(it)),
+    "p2p": lambda it: P2P(it["names"], it["src"], it["dst"], it.get("sid", 0)),
+    "barrier": lambda it: Barrier(it["names"], tuple(it.get("group", ()))),
     "error": lambda it: Fail(Cause(it["etype"]), it["names"], it["ranks"], it["error"]),
 }
 
@@ -197,7 +267,7 @@ class PeerFailure:
 Message = Union[Beat, Join, Welcome, Ready, Blocked, Plan, Departed, PeerFailure]
 
 _MESSAGES: tuple[type, ...] = (Beat, Join, Welcome, Ready, Blocked, Plan, Departed, PeerFailure)
-_STEPS: tuple[type, ...] = (AllReduce, Broadcast, AllGather, Barrier, Fail)
+_STEPS: tuple[type, ...] = (AllReduce, Broadcast, AllGather, Barrier, Fail, ReduceScatter, Reduce, AllToAll, P2P)
 _CODE = {cls: i + 1 for i, cls in enumerate(_MESSAGES)}
 _STEP_CODE = {cls: i + 1 for i, cls in enumerate(_STEPS)}
 _PREFIX = struct.Struct("<BI")
@@ -212,6 +282,7 @@ def _getter(cls: type) -> Callable[[Any], tuple]:
 
 
 _FIELDS = {cls: _getter(cls) for cls in _MESSAGES + _STEPS}
+_STEP_NAMES = {cls: [f.name for f in dataclasses.fields(cls) if f.compare] for cls in _STEPS}
 _ARITY = {cls: sum(1 for f in dataclasses.fields(cls) if f.compare) for cls in _MESSAGES}
 
 
@@ -271,9 +342,14 @@ def _step(head: list[Any]) -> Step:
     if not 1 <= head[0] <= len(_STEPS):
         raise ValueError(f"unknown plan step code {head[0]}")
     cls = _STEPS[head[0] - 1]
+    if len(head) != len(_STEP_NAMES[cls]) + 1:
+        raise ValueError(f"malformed {cls.__name__} step")
     if cls is Fail:
         return Fail(Cause(head[1]), *head[2:])
-    return cls(*head[1:])
+    fields = dict(zip(_STEP_NAMES[cls], head[1:]))
+    if "group" in fields:
+        fields["group"] = tuple(fields["group"])   # as the plan's steps hold it
+    return cls(**fields)
 
 
 def encode_split(msg: Ready, limit: int) -> list[bytes]:

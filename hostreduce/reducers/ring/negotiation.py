@@ -1,9 +1,15 @@
 """Agreeing on one execution order for collectives submitted in any order.
 
-Every rank announces each collective it submits (name, kind, dtype, shape, op, root)
-to the coordinator on rank 0. When all ranks have announced a name, the coordinator
-checks that the announcements agree and appends it to the plan that every rank then
-executes in the same order. Consecutive all-reduces of the same dtype and op that
+Every rank announces each collective it submits (name, kind, dtype, shape, op, root,
+group) to the coordinator on rank 0. A collective is known by its name and its group
+(and, for a send/receive, by the pair of ranks), so disjoint groups may use the same
+names at once. When every member has announced it, the coordinator checks that the
+announcements agree and appends it to the plan, numbered (the step id that tags its
+data), which every member then executes in plan order (a rank skips the steps of
+groups it is not in, so the steps of disjoint groups run at once). Two ranks that
+each count the other as a member of a collective but announced it with different
+groups can never complete it (a rank has a name in flight once): it fails as a
+mismatch naming every rank's group, on every member. Consecutive all-reduces of the same dtype and op that
 become ready together are fused into one bucket up to the fusion threshold. Small
 all-reduces whose data every rank sent along with its announcement (``_data``) form
 buckets of their own (up to ``gather_threshold`` bytes) that rank 0 reduces itself.
@@ -37,12 +43,20 @@ _SETTLE_S = 0.3
 _LIST_NAMES = 8   # pending names listed per rank in that report
 
 _Described = dict[str, Any]   # an Entry with the fields derived for matching
+# A collective's key: its name, its group's world ranks and, for a send/receive, the pair
+# (sender, receiver) in world ranks. Disjoint groups may use one name at once.
+_Key = tuple[str, tuple[int, ...], "tuple[int, int] | None"]
 _FIELDS = {
     "allreduce": ("kind", "dtype", "shape", "op"),
     "broadcast": ("kind", "dtype", "shape", "root"),
     "allgather": ("kind", "dtype", "inner_shape"),
+    "reducescatter": ("kind", "dtype", "shape", "op", "counts"),
+    "reduce": ("kind", "dtype", "shape", "op", "root"),
+    "alltoall": ("kind", "dtype", "inner_shape"),
+    "p2p": ("dtype", "shape"),
     "barrier": ("kind",),
 }
+_P2P = ("send", "recv")
 
 
 def describe(entry: Entry) -> _Described:
@@ -62,33 +76,108 @@ class Coordinator:
         self._send = send_plan
         self._timeout = timeout_s
         self._clock = clock
-        self._table: dict[str, dict[int, _Described]] = {}
-        self._first_seen: dict[str, float] = {}
+        self._world = tuple(range(size))
+        self._table: dict[_Key, dict[int, _Described]] = {}
+        self._by_name: dict[str, set[_Key]] = {}
+        self._first_seen: dict[_Key, float] = {}
+        # Collectives failed for a group mismatch, and their members yet to submit them
+        # (who fail as they do): key -> (error, ranks, since).
+        self._poisoned: dict[_Key, tuple[str, set[int], float]] = {}
         self._departed: set[int] = set()
         self._blocked: dict[int, str] = {}    # rank -> the name its caller waits for
         self._stuck_since: float | None = None
         self._settle = settle_s
+        self._sid = 0
         self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ keys and slots
+    def _key(self, rank: int, e: Entry) -> _Key:
+        group = tuple(e.get("group") or self._world)
+        if e["kind"] == "send":
+            return (e["name"], group, (rank, group[e["root"]]))
+        if e["kind"] == "recv":
+            return (e["name"], group, (group[e["root"]], rank))
+        return (e["name"], group, None)
+
+    @staticmethod
+    def _members(key: _Key) -> tuple[int, ...]:
+        return key[2] if key[2] is not None else key[1]
+
+    def _pop(self, key: _Key) -> dict[int, _Described]:
+        slot = self._table.pop(key)
+        del self._first_seen[key]
+        keys = self._by_name[key[0]]
+        keys.discard(key)
+        if not keys:
+            del self._by_name[key[0]]
+        return slot
+
+    def _holds(self, rank: int, name: str) -> bool:
+        """Whether ``rank`` has announced ``name`` (on any group) and it is not planned."""
+        return any(rank in self._table[k] for k in self._by_name.get(name, ()))
 
     def on_ready(self, rank: int, entries: list[Entry]) -> None:
         with self._lock:
             # A rank that submits is not blocked (its blocked notice comes again if it is).
             self._blocked.pop(rank, None)
             self._stuck_since = None
-            complete: list[str] = []
+            items: list[PlanItem] = []
+            complete: list[_Key] = []
             for e in entries:
-                name = e["name"]
-                slot = self._table.setdefault(name, {})
+                key = self._key(rank, e)
+                if self._poison_hit(key, rank, items):
+                    continue
+                slot = self._table.setdefault(key, {})
                 if not slot:
-                    self._first_seen[name] = self._clock()
+                    self._first_seen[key] = self._clock()
+                    self._by_name.setdefault(key[0], set()).add(key)
                 slot[rank] = describe(e)
-                if len(slot) == self.size:
-                    complete.append(name)
+                if self._group_clash(key, rank, items):
+                    continue
+                if len(slot) == len(self._members(key)):
+                    complete.append(key)
             if complete:
-                items = self._plan(complete)
+                items += self._plan(complete)
+            if items:
                 self._send(items)
             if self._departed:
                 self._fail_waiting_on_departed()
+
+    def _group_clash(self, key: _Key, rank: int, items: list[PlanItem]) -> bool:
+        """Ranks that count each other as members of collective ``name`` but submitted it
+        with different groups: neither can ever complete (a rank has a name in flight
+        once), so both fail as a mismatch, naming every rank's group."""
+        name, group, pair = key
+        if pair is not None:
+            return False
+        for other in sorted(self._by_name.get(name, ()), key=repr):
+            if other == key or other[2] is not None or rank not in other[1]:
+                continue
+            if not any(b in group for b in self._table[other]):
+                continue
+            slots = {k: self._pop(k) for k in (key, other)}
+            per_rank = sorted((r, k[1]) for k, slot in slots.items() for r in slot)
+            error = (f"Tensor {name!r} mismatch across ranks in group: "
+                     + ", ".join(f"rank {r}: group{list(g)}" for r, g in per_rank))
+            now = self._clock()
+            for k, slot in slots.items():
+                items.append({"kind": "error", "etype": "mismatch", "names": [name], "ranks": sorted(slot),
+                              "error": error})
+                later = set(k[1]) - set(slot)
+                if later:
+                    self._poisoned[k] = (error, later, now)
+            return True
+        return False
+
+    def _poison_hit(self, key: _Key, rank: int, items: list[PlanItem]) -> bool:
+        record = self._poisoned.get(key)
+        if record is None or rank not in record[1]:
+            return False
+        record[1].discard(rank)
+        if not record[1]:
+            del self._poisoned[key]
+        items.append({"kind": "error", "etype": "mismatch", "names": [key[0]], "ranks": [rank], "error": record[0]})
+        return True
 
     def on_blocked(self, rank: int, name: str | None) -> None:
         """``rank``'s caller has waited a while for collective ``name`` (None: it stopped
@@ -105,7 +194,7 @@ class Coordinator:
         other rank has not submitted (and has for ``settle_s``)."""
         with self._lock:
             stuck = len(self._blocked) == self.size and all(
-                rank in self._table.get(name, {}) for rank, name in self._blocked.items())
+                self._holds(rank, name) for rank, name in self._blocked.items())
             if not stuck:
                 self._stuck_since = None
                 return
@@ -115,12 +204,11 @@ class Coordinator:
                 return
             if now - self._stuck_since < self._settle:
                 return
-            pending = {r: sorted(n for n, slot in self._table.items() if r in slot) for r in range(self.size)}
+            pending = {r: sorted({k[0] for k, slot in self._table.items() if r in slot}) for r in range(self.size)}
             waits = ", ".join(f"rank {r} waits for {_some(names)}" for r, names in pending.items())
-            names = sorted(self._table)
-            for name in names:
-                del self._table[name]
-                del self._first_seen[name]
+            names = sorted({k[0] for k in self._table})
+            for key in list(self._table):
+                self._pop(key)
             self._blocked.clear()
             self._stuck_since = None
             self._send([{
@@ -137,13 +225,12 @@ class Coordinator:
 
     def _fail_waiting_on_departed(self) -> None:
         items = []
-        for name in [n for n, slot in self._table.items() if self._departed - set(slot)]:
-            slot = self._table.pop(name)
-            del self._first_seen[name]
-            gone = sorted(self._departed - set(slot))
+        for key in [k for k, slot in self._table.items() if (self._departed & set(self._members(k))) - set(slot)]:
+            slot = self._pop(key)
+            gone = sorted((self._departed & set(self._members(key))) - set(slot))
             items.append({
-                "kind": "error", "etype": "departed", "names": [name], "ranks": sorted(slot),
-                "error": f"Collective {name!r} cannot complete: ranks {gone} closed their reducers",
+                "kind": "error", "etype": "departed", "names": [key[0]], "ranks": sorted(slot),
+                "error": f"Collective {key[0]!r} cannot complete: ranks {gone} closed their reducers",
             })
         if items:
             self._send(items)
@@ -155,12 +242,14 @@ class Coordinator:
         submission order is not to blame."""
         with self._lock:
             now = self._clock()
-            stale = [n for n, t in self._first_seen.items() if now - t > self._timeout]
+            for key in [k for k, rec in self._poisoned.items() if now - rec[2] > self._timeout]:
+                del self._poisoned[key]
+            stale = [k for k, t in self._first_seen.items() if now - t > self._timeout]
             items = []
-            for name in stale:
-                slot = self._table.pop(name)
-                del self._first_seen[name]
-                missing = sorted(set(range(self.size)) - set(slot))
+            for key in stale:
+                name = key[0]
+                slot = self._pop(key)
+                missing = sorted(set(self._members(key)) - set(slot))
                 why = not_answering(missing) if not_answering is not None else None
                 if why is not None:
                     items.append({"kind": "error", "etype": "lost", "names": [name], "ranks": sorted(slot),
@@ -174,17 +263,24 @@ class Coordinator:
             if items:
                 self._send(items)
 
-    def _plan(self, names: list[str]) -> list[PlanItem]:
+    def _next_sid(self) -> int:
+        self._sid += 1
+        return self._sid
+
+    def _plan(self, keys: list[_Key]) -> list[PlanItem]:
         items: list[PlanItem] = []
         bucket: list[str] = []
         bucket_key: tuple | None = None
         bucket_bytes = 0
+        bucket_group: list[int] = []
         parts: dict[str, list[Any]] = {}
 
         def flush() -> None:
             nonlocal bucket, bucket_key, bucket_bytes, parts
             if bucket:
-                item: PlanItem = {"kind": "allreduce", "names": bucket}
+                item: PlanItem = {"kind": "allreduce", "names": bucket, "sid": self._next_sid()}
+                if bucket_group:
+                    item["group"] = bucket_group
                 if parts:
                     # Every rank sent its data with the announcement: rank 0 reduces and
                     # sends the result back (keys starting with "_" stay on rank 0).
@@ -193,46 +289,69 @@ class Coordinator:
                 items.append(item)
             bucket, bucket_key, bucket_bytes, parts = [], None, 0, {}
 
-        for name in names:
-            slot = self._table.pop(name)
-            del self._first_seen[name]
-            ref = slot[0]
-            error = self._mismatch(name, slot)
+        for key in keys:
+            if key not in self._table:  # failed meanwhile
+                continue
+            name, group, pair = key
+            slot = self._pop(key)
+            members = self._members(key)
+            ref = slot[members[0]]
+            error = self._mismatch(name, slot, members, "p2p" if pair is not None else None)
             if error is not None:
                 flush()
                 items.append({"kind": "error", "etype": "mismatch", "names": [name],
-                              "ranks": list(range(self.size)), "error": error})
+                              "ranks": sorted(slot), "error": error})
                 continue
             kind = ref["kind"]
+            glist = [] if group == self._world else list(group)
+            if pair is not None:
+                flush()
+                items.append({"kind": "p2p", "names": [name], "src": pair[0], "dst": pair[1],
+                              "sid": self._next_sid()})
+                continue
             if kind != "allreduce":
                 flush()
-                item = {"kind": kind, "names": [name]}
+                item: PlanItem = {"kind": kind, "names": [name]}
+                if glist:
+                    item["group"] = glist
+                if kind != "barrier":
+                    item["sid"] = self._next_sid()
                 if kind == "allgather":
-                    item["counts"] = [slot[r]["shape"][0] if slot[r]["shape"] else 1 for r in range(self.size)]
+                    item["counts"] = [slot[r]["shape"][0] if slot[r]["shape"] else 1 for r in members]
+                elif kind == "reducescatter":
+                    item["counts"] = ref["counts"]
+                elif kind == "reduce":
+                    item["root"] = ref["root"]
+                elif kind == "alltoall":
+                    item["splits"] = [slot[r]["counts"] for r in members]
                 items.append(item)
                 continue
-            gathered = all("_data" in slot[r] for r in range(self.size))
-            key = (ref["dtype"], ref["op"], gathered)
+            # Only the world's small all-reduces go through rank 0 (it may not be a member).
+            gathered = not glist and all("_data" in slot[r] for r in members)
+            fuse = (ref["dtype"], ref["op"], gathered, group)
             nbytes = ref["nbytes"]
             limit = self.gather_threshold if gathered else self.fusion_threshold
-            if bucket and (key != bucket_key or bucket_bytes + nbytes > limit):
+            if bucket and (fuse != bucket_key or bucket_bytes + nbytes > limit):
                 flush()
             bucket.append(name)
-            bucket_key = key
+            bucket_key = fuse
+            bucket_group = glist
             bucket_bytes += nbytes
             if gathered:
-                parts[name] = [slot[r]["_data"] for r in range(self.size)]
+                parts[name] = [slot[r]["_data"] for r in members]
         flush()
         return items
 
-    def _mismatch(self, name: str, slot: dict[int, _Described]) -> str | None:
-        fields = _FIELDS.get(slot[0]["kind"], ("kind",))
-        if any(slot[r]["kind"] != slot[0]["kind"] for r in slot):
+    def _mismatch(self, name: str, slot: dict[int, _Described], members: tuple[int, ...],
+                  kind: str | None = None) -> str | None:
+        ref = slot[members[0]]
+        fields = _FIELDS.get(kind or ref["kind"], ("kind",))
+        if kind is None and any(slot[r]["kind"] != ref["kind"] for r in slot):
             fields = ("kind",)
         for field in fields:
-            values = [slot[r].get(field) for r in range(self.size)]
+            values = [slot[r].get(field) for r in members]
             if any(v != values[0] for v in values):
-                per_rank = ", ".join(f"rank {r}: {_fmt(field, v)}" for r, v in enumerate(values))
+                per_rank = ", ".join(f"rank {r}: {_fmt(field, v)}" for r, v in zip(members, values))
                 return f"Tensor {name!r} mismatch across ranks in {field}: {per_rank}"
         return None
 

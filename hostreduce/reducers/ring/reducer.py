@@ -79,7 +79,7 @@ class RingReducer(Reducer):
                     "HOSTREDUCE_SECRET to the same value on every worker (`hostreduce run` does this). "
                     "Received: secret=None"
                 )
-        self._barriers = 0
+        self._barriers: dict[str, int] = {}   # barriers so far, per group
         self._table = table = PendingTable(rank)
         self._paths = paths = Paths()
         self._live = live = Liveness(rank, size, cfg.timeout_s, table)
@@ -146,9 +146,10 @@ class RingReducer(Reducer):
 
     # ------------------------------------------------------------------ collectives
     def _submit(self, name: str, kind: str, arr: np.ndarray, out: np.ndarray | None, op: ReduceOp,
-                root: int) -> PendingHandle:
+                root: int, group: Group | None = None, counts: list[int] | None = None) -> PendingHandle:
         handle = PendingHandle(name, self._control.wait_blocked)
-        entry = self._control.entry(name, kind, arr, op, root)
+        ranks = None if group is None or group.size == self._size else group.ranks
+        entry = self._control.entry(name, kind, arr, op, root, ranks, counts)
         with self._table.lock:
             in_flight = self._table.admit(name, Pending(kind, arr, out, op, root, handle))
             if self._lane is not None and self._lane.hold(entry):
@@ -156,34 +157,46 @@ class RingReducer(Reducer):
         self._control.announce(entry, alone=in_flight == 1)
         return handle
 
+    # Every collective goes through rank 0's plan; ``root``, ``dst``, ``src`` and counts
+    # are group ranks, and a group's data moves between its members (``datapath.py``).
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group | None = None) -> PendingHandle:
-        self._world_only(group, "allreduce")
-        return self._submit(name, "allreduce", arr, out, op, 0)
+        return self._submit(name, "allreduce", arr, out, op, 0, group)
 
     def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                    group: Group | None = None) -> np.ndarray:
-        if self._lane is None or (group is not None and group is not self.world):
+        if self._lane is None or (group is not None and group.size != self._size):
             return super()._allreduce(name, arr, op, out, group if group is not None else self.world)
         return self._lane.allreduce(name, arr, op, out)
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
-        self._world_only(group, "broadcast")
-        return self._submit(name, "broadcast", arr, None, ReduceOp.SUM, root)
+        return self._submit(name, "broadcast", arr, None, ReduceOp.SUM, root, group)
 
     def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
-        self._world_only(group, "allgather")
-        return self._submit(name, "allgather", arr, None, ReduceOp.SUM, 0)
+        return self._submit(name, "allgather", arr, None, ReduceOp.SUM, 0, group)
 
-    def _world_only(self, group: Group | None, what: str) -> None:
-        if group is not None and group is not self.world:
-            raise self._missing(f"{what} on a process group")
+    def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
+                              group: Group) -> Handle:
+        return self._submit(name, "reducescatter", arr, None, op, 0, group, counts)
+
+    def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
+        return self._submit(name, "reduce", arr, None, op, root, group)
+
+    def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
+        return self._submit(name, "alltoall", arr, None, ReduceOp.SUM, 0, group, splits)
+
+    def _send_async(self, name: str, arr: np.ndarray, dst: int, group: Group) -> Handle:
+        return self._submit(name, "send", arr, None, ReduceOp.SUM, dst, group)
+
+    def _recv_async(self, name: str, shape: tuple[int, ...], dtype: np.dtype, src: int, group: Group) -> Handle:
+        # The array received into: announced for its shape and dtype, then filled.
+        return self._submit(name, "recv", np.empty(shape, dtype), None, ReduceOp.SUM, src, group)
 
     def _barrier(self, timeout: float | None, group: Group) -> None:
-        self._world_only(group, "barrier")
-        self._barriers += 1
-        handle = self._submit(f"__barrier__/{self._barriers}", "barrier", np.zeros(0, np.float32), None,
-                              ReduceOp.SUM, 0)
+        count = self._barriers[group.key] = self._barriers.get(group.key, 0) + 1
+        where = "" if group.size == self._size else f"{group.key}/"
+        handle = self._submit(f"__barrier__/{where}{count}", "barrier", np.zeros(0, np.float32), None,
+                              ReduceOp.SUM, 0, group)
         handle.wait(timeout if timeout is not None else self._config.timeout_s * 2)
 
     # ------------------------------------------------------------------ incoming

@@ -1,0 +1,132 @@
+"""Horovod's ``reducescatter`` and ``alltoall``, and the collectives of a process set
+other than the whole job, as host ops (:func:`hostreduce.streaming.host_collective`).
+
+Each runs one engine collective on the host when its input exists, eagerly or inside
+``tf.function``; outputs whose first dimension depends on the other ranks have an
+unknown first dimension in the graph.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..streaming.host_collective import host_collective
+from . import _engine
+from ._compression import Compression
+from ._process_sets import global_process_set, group_of
+
+__all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "group_allreduce", "group_allgather",
+           "group_broadcast"]
+
+
+def _kind(kind: str, process_set: Any) -> str:
+    from ._ops import _kind as kind_of
+
+    return kind_of(kind, process_set)
+
+
+def _size_of(group: Any) -> int:
+    return _engine.size() if group is None else group.size
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = None,
+                  name: str | None = None, process_set: Any = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce ``tensor`` over the set and give each rank its part of axis 0 (the first
+    ranks one row more when it does not divide), as Horovod's ``reducescatter``.
+    ``op``: Average (default), Sum, Min, Max or Product."""
+    import tensorflow as tf
+
+    from ._ops import _check_compression, _scale, resolve_op
+
+    channel = _engine.channel()
+    group = group_of(process_set)
+    _check_compression(compression)
+    rop = resolve_op(op)
+    full = _engine.collective_name(_kind("reducescatter", process_set), name)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ConfigError(f"`tensor` must have at least one dimension to be scattered. Received: shape={tensor.shape}")
+    wire, ctx = compression.compress(_scale(tensor, prescale_factor, "prescale_factor"))
+    out = host_collective(channel, f"reducescatter {full}",
+                          lambda r, a: [r.reduce_scatter(full, a[0], rop.engine_op, group=group).copy()
+                                        .reshape((-1,) + a[0].shape[1:])],
+                          [wire], [wire.dtype], [tf.TensorShape([None]).concatenate(tensor.shape[1:])])[0]
+    return _scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
+
+
+def grouped_reducescatter(tensors: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = None,
+                          process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[Any]:
+    """:func:`reducescatter` of each tensor, in order."""
+    base = _engine.collective_name(_kind("grouped_reducescatter", process_set), None)
+    return [reducescatter(t, compression=compression, op=op, name=f"{base}/{i}", process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+            for i, t in enumerate(tensors)]
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: Any = global_process_set) -> Any:
+    """Send rows ``splits[j]`` of ``tensor`` (in order along axis 0) to rank j of the set
+    and concatenate what every rank sent here, in rank order. Without ``splits`` the
+    first dimension is split equally. Returns the tensor, and with ``splits`` also the
+    received splits, as Horovod."""
+    import tensorflow as tf
+
+    channel = _engine.channel()
+    group = group_of(process_set)
+    full = _engine.collective_name(_kind("alltoall", process_set), name)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ConfigError(f"`tensor` must have at least one dimension. Received: shape={tensor.shape}")
+    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
+    if splits is None:
+        return host_collective(channel, f"alltoall {full}",
+                               lambda r, a: [r.alltoall(full, a[0], group=group)[0]],
+                               [tensor], [tensor.dtype], [shape])[0]
+    splits_t = tf.cast(tf.convert_to_tensor(splits), tf.int32)
+
+    def run(r: Any, a: list[np.ndarray]) -> list[np.ndarray]:
+        received, counts = r.alltoall(full, a[0], [int(s) for s in a[1].reshape(-1)], group=group)
+        return [received, np.asarray(counts, np.int32)]
+
+    out, received = host_collective(channel, f"alltoall {full}", run, [tensor, splits_t], [tensor.dtype, tf.int32],
+                                    [shape, tf.TensorShape([_size_of(group)])])
+    return out, received
+
+
+def group_allreduce(tensor: Any, rop: Any, name: str, process_set: Any) -> Any:
+    """All-reduce on a process set other than the whole job."""
+    import tensorflow as tf
+
+    channel = _engine.channel()
+    group = group_of(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    return host_collective(channel, f"allreduce {name}", lambda r, a: [r.allreduce(name, a[0], rop.engine_op,
+                                                                                  group=group)],
+                           [tensor], [tensor.dtype], [tensor.shape])[0]
+
+
+def group_allgather(tensor: Any, name: str, process_set: Any) -> Any:
+    import tensorflow as tf
+
+    channel = _engine.channel()
+    group = group_of(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tf.TensorShape([None])
+    return host_collective(channel, f"allgather {name}", lambda r, a: [r.allgather(name, a[0], group=group)],
+                           [tensor], [tensor.dtype], [shape])[0]
+
+
+def group_broadcast(tensor: Any, root_rank: int, name: str, process_set: Any) -> Any:
+    """Broadcast within a set; ``root_rank`` is a rank of the set."""
+    import tensorflow as tf
+
+    channel = _engine.channel()
+    group = group_of(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    return host_collective(channel, f"broadcast {name}",
+                           lambda r, a: [r.broadcast(name, a[0], root=root_rank, group=group)],
+                           [tensor], [tensor.dtype], [tensor.shape])[0]

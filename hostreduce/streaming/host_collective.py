@@ -1,0 +1,57 @@
+"""Collectives other than the gradient hand-off, as one host op each: reduce-scatter,
+reduce, all-to-all, send/receive, and any collective on a process group.
+
+:func:`host_collective` adds a ``tf.numpy_function`` that copies its inputs to the host
+when they exist, runs one collective on the channel's reducer and returns its outputs
+into the graph (or does so at once, eagerly). Unlike :func:`exchange`, the op waits for
+its own result: these collectives are used one at a time in a step, so nothing is
+gained by splitting submission from the wait, and outputs whose shape depends on other
+ranks (a reduce-scatter's rows, an all-to-all's received rows) come back in one piece.
+Ops run in creation order on engines that match by position (``Channel.ordered``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..timeline import now_us
+from .slots import Channel
+
+__all__ = ["host_collective"]
+
+Run = Callable[[Any, list[np.ndarray]], Sequence[np.ndarray]]
+
+
+def host_collective(channel: Channel, label: str, run: Run, inputs: Sequence[Any], out_dtypes: Sequence[Any],
+                    out_shapes: Sequence[Any]) -> list[Any]:
+    """One host op running ``run(reducer, host_arrays) -> outputs``.
+
+    ``out_dtypes``/``out_shapes`` describe the outputs (a shape may have ``None``
+    dimensions). Returns the output tensors.
+    """
+    import tensorflow as tf
+
+    def op(*arrays: np.ndarray) -> list[np.ndarray]:
+        start = now_us()
+        outs = [np.asarray(o) for o in run(channel.reducer(), [np.asarray(a) for a in arrays])]
+        timeline = channel.timeline
+        if timeline.enabled:
+            timeline.span(label, start, now_us(), "reduce", timeline.reduce_row(label), {})
+        return [o.astype(tf.as_dtype(d).as_numpy_dtype, copy=False) for o, d in zip(outs, out_dtypes)]
+
+    op = tf.autograph.experimental.do_not_convert(op)
+    dtypes = [tf.as_dtype(d) for d in out_dtypes]
+    outs = tf.numpy_function(op, list(inputs), dtypes, stateful=True, name="hostreduce_collective")
+    if not isinstance(outs, (list, tuple)):
+        outs = [outs]
+    result = []
+    for out, shape in zip(outs, out_shapes):
+        out.set_shape(shape)
+        result.append(out)
+    return result
+
+
+def wait_result(handle: Any, channel: Channel) -> Any:
+    """A collective's result, waited for up to the channel's limit."""
+    return handle.wait(channel.timeout_s)

@@ -1,0 +1,33 @@
+"""The collectives beyond all-reduce through the TensorFlow surfaces (Horovod's process
+sets, ``reducescatter``, ``alltoall``, ``Product``; HCCL's groups and ops through
+``hostreduce.hccl`` and ``hostreduce.distribute``), eagerly and in ``tf.function``,
+against numpy on ring workers (``tests/hvd_workers/groups_api.py``, written once for
+every world size)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "hvd_workers"))
+import groups_api  # noqa: E402
+
+pytestmark = [pytest.mark.tf]
+
+SIZES = [1, 2, 4]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_groups_and_new_collectives_match_numpy_on_every_rank(size: int) -> None:
+    from hostreduce.testing import run_ranks
+
+    results = run_ranks(groups_api.rank_main, size, timeout=240)
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], f"rank {rank}: {result['failures']}"
+        assert result["checks"] >= (24 if rank in (0, size - 1) else 12)
+        errors = result["errors"]
+        assert "is not registered: pass it to hvd.init(process_sets=...) or hvd.add_process_set() first" in errors[0]
+        assert "`group` must be 'hccl_world_group' or a group made by create_group. Received: group='nope'" in errors[1]
+        assert "`reduction` must be one of ['sum', 'prod', 'max', 'min']. Received: reduction='mean'" in errors[2]
