@@ -16,7 +16,11 @@ first failure.
 A point-to-point transfer must not hold up what is queued behind it (two ranks that
 each send before they receive would wait on each other): its task starts the transfer
 and returns a :class:`Later`, which the worker drives between tasks and while idle, in
-the order the transfers were started, under the same deadline.
+the order the transfers were started, under the same deadline. While one is in flight,
+the worker waits for new work in timed waits of at most 1 ms on a ``queue.Queue``; not
+on a ``queue.SimpleQueue``, whose ``get`` with a timeout of microseconds can wait for
+the next ``put`` instead when the thread is descheduled inside it (CPython 3.11): the
+transfers then stopped being driven, and every rank waiting for one hung.
 """
 from __future__ import annotations
 
@@ -93,8 +97,8 @@ class SerialWorker:
         self._engine, self._rank, self._timeout = engine, rank, float(timeout_s)
         self._translate = translate
         self._on_stop = on_stop
-        self._queue: "queue.SimpleQueue[tuple[Handle, Callable[[Deadline], Any], float] | None]" = \
-            queue.SimpleQueue()
+        # Not a SimpleQueue: its get() may overrun a timeout of microseconds indefinitely.
+        self._queue: "queue.Queue[tuple[Handle, Callable[[Deadline], Any], float] | None]" = queue.Queue()
         self._lock = threading.Lock()
         self._pending: set[Handle] = set()
         self._running: tuple[Handle, Deadline] | None = None

@@ -138,23 +138,28 @@ class HorovodReducer(Reducer):
         # Its ops block, so a watchdog enforces the deadline.
         self._worker = SerialWorker("horovod", self._rank, self._config.timeout_s,
                                     translate=lambda name, exc: (_translate(name, exc), False), watch=True)
-        self._p2p = self._mpi_point_to_point()
+        self._p2p, self._no_p2p = self._mpi_point_to_point()
         if self._size > 1:
             add_job_abort(_abort_horovod_job)
         self._register_live()
 
     @staticmethod
-    def _mpi_point_to_point() -> PointToPoint | None:
+    def _mpi_point_to_point() -> tuple[PointToPoint | None, str]:
         """Send/receive: Horovod has none, so they go through mpi4py on Horovod's own MPI
         library (``import_horovod`` pointed mpi4py at it), on a duplicate of COMM_WORLD
-        made here, where every rank passes. None when Horovod runs without MPI."""
+        made here, where every rank passes. Horovod's background thread calls MPI while
+        this reducer's worker does, which needs ``MPI_THREAD_MULTIPLE`` (Horovod asks for
+        it unless ``HOROVOD_MPI_THREADS_DISABLE=1``). Else None and the reason."""
         from ._mpi_select import loaded_libmpi
 
         if not loaded_libmpi():
-            return None
+            return None, "send/recv without an MPI library (this Horovod runs without MPI)"
         from mpi4py import MPI
 
-        return PointToPoint(MPI.COMM_WORLD.Dup())
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return None, (f"send/recv when MPI runs at thread level {MPI.Query_thread()}, below "
+                          "MPI_THREAD_MULTIPLE (unset HOROVOD_MPI_THREADS_DISABLE)")
+        return PointToPoint(MPI.COMM_WORLD.Dup()), ""
 
     @property
     def rank(self) -> int:
@@ -237,7 +242,7 @@ class HorovodReducer(Reducer):
 
     def _point_to_point(self) -> PointToPoint:
         if self._p2p is None:
-            raise self._missing("send/recv without an MPI library (this Horovod runs without MPI)")
+            raise self._missing(self._no_p2p)
         return self._p2p
 
     def _barrier(self, timeout: float | None, group: Group) -> None:

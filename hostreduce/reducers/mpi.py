@@ -9,8 +9,9 @@ It does not compare names, shapes or ops across ranks for the reductions and bro
 (a disagreement shows up as an MPI error or as a timeout); all-gather and all-to-all
 exchange shapes first and raise ``TensorMismatchError`` on every rank when the trailing
 dimensions or dtypes disagree, and send/receive compare name, dtype and shape on both
-ends (``_mpi_p2p.py``). Sends and receives are started in order on the same thread but
-finish in the background, so a rank may send before it receives.
+ends (``_mpi_p2p.py``), on a duplicate communicator of their own. Sends and receives
+are started in order on the same thread but finish in the background, so a rank may
+send before it receives.
 
 A process group is an MPI sub-communicator made with ``MPI_Comm_create_group``: only its
 members call ``create_group``. Collectives of disjoint groups run concurrently.
@@ -55,6 +56,7 @@ _log = logging.getLogger("hostreduce.reducers.mpi")
 # Polling: spin (yielding the GIL) for this long, then sleep in growing steps up to the cap.
 _SPIN_S = 0.05
 _MAX_SLEEP_S = 0.001
+_ARRIVE_TAG = 1  # the members' rendezvous before MPI_Comm_create_group
 
 
 def _abort_mpi_job(reason: str) -> None:
@@ -114,7 +116,10 @@ class MPIReducer(Reducer):
         self._deadline: Deadline | None = None  # of the collective running on the serial thread
         self._no_deadline = Deadline("", float("inf"), lambda name, t: "")
         self._coll = Collectives(MPI, self._comm, self._waiter)
-        self._p2p = PointToPoint(self._comm)
+        # Send/receive on a communicator of their own: Open MPI's MPI_Comm_create_group
+        # exchanges point-to-point messages with tag 0 on the parent (self._comm), which
+        # would match, or be matched by, a transfer in flight there.
+        self._p2p = PointToPoint(self._comm.Dup())
         self._worker = SerialWorker("mpi", self._rank, self._config.timeout_s, translate=self._translate,
                                     on_stop=self._free)
         if self._size > 1:
@@ -132,19 +137,48 @@ class MPIReducer(Reducer):
     # ------------------------------------------------------------------ groups
     def _create_group(self, group: Group) -> Group:
         """A sub-communicator of the members (``MPI_Comm_create_group``: collective over
-        the members only, so non-members need not call). Made on the serial thread."""
+        the members only, so non-members need not call). Made on the serial thread, once
+        every member has arrived: ``MPI_Comm_create_group`` blocks with no timeout, so a
+        member that never comes fails the others' ``create_group`` at the deadline."""
         if not group.is_member:
             return group
 
-        def create(deadline: Deadline) -> Any:
+        def create(deadline: Deadline) -> Collectives:
+            self._arrive(group.ranks, deadline)
             members = self._comm.Get_group().Incl(list(group.ranks))
             try:
-                return self._comm.Create_group(members)
+                return Collectives(self._MPI, self._comm.Create_group(members), self._waiter)
             finally:
                 members.Free()
 
-        comm = self._worker.submit(f"create_group {group}", create).wait()
-        return dataclasses.replace(group, handle=Collectives(self._MPI, comm, self._waiter))
+        coll = self._worker.submit(f"create_group {group}", create).wait()
+        return dataclasses.replace(group, handle=coll)
+
+    def _arrive(self, ranks: tuple[int, ...], deadline: Deadline) -> None:
+        """Return once every rank of ``ranks`` has called, or raise at ``deadline``: each
+        tells the first, which answers when all have (tag 1: ``MPI_Comm_create_group``
+        uses tag 0 on the same communicator). Receives left at the deadline are cancelled."""
+        comm, first = self._comm, ranks[0]
+        token = np.zeros(len(ranks), np.uint8)
+        if self._rank == first:
+            receives = [comm.Irecv(token[i:i + 1], r, _ARRIVE_TAG) for i, r in enumerate(ranks) if r != first]
+            sends: list[Any] = []
+        else:
+            receives = [comm.Irecv(token[1:2], first, _ARRIVE_TAG)]
+            sends = [comm.Isend(token[:1], first, _ARRIVE_TAG)]
+        try:
+            for request in receives:
+                self._wait(request, deadline)
+        except BaseException:
+            for request in receives:
+                if request:  # not yet completed (and freed)
+                    request.Cancel()
+                    request.Wait()
+            raise
+        if self._rank == first:
+            sends = [comm.Isend(token[:1], r, _ARRIVE_TAG) for r in ranks if r != first]
+        for request in sends:
+            self._wait(request, deadline)
 
     def _destroy_group(self, group: Group) -> None:
         if group.handle is not None:
@@ -228,6 +262,7 @@ class MPIReducer(Reducer):
                 for group in self._groups.values():
                     if group.handle is not None:
                         group.handle.comm.Free()
+                self._p2p.comm.Free()
                 self._comm.Free()
             except Exception:  # pragma: no cover - MPI already finalized
                 pass

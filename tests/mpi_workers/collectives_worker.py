@@ -7,9 +7,10 @@ Runs the engine-agnostic ``tests/collectives_check.py`` (when present), then wha
 does not cover: prod of 16-bit floats, wire compression (the result equals the float32
 result rounded through 16 bits, bitwise the same on every rank), two disjoint groups at
 once and a group of non-consecutive ranks using every new collective, sends in both
-directions at once, a send/receive shape mismatch (raised on both ends), and a
-reduce-scatter whose peer does not come within the timeout (a clear
-``CollectiveTimeoutError`` within seconds, not a hang). Prints ``OK rank R/N``.
+directions at once, a send/receive shape mismatch (raised on both ends), a
+reduce-scatter whose peer does not come within the timeout and (mpi, N >= 3) a group
+whose member never calls create_group (both a clear ``CollectiveTimeoutError`` within
+seconds, not a hang). Prints ``OK rank R/N``.
 """
 from __future__ import annotations
 
@@ -154,6 +155,23 @@ def check_dead_peer(engine: str, rank: int, size: int) -> None:
     t.close()
 
 
+def check_absent_member(engine: str, rank: int, size: int) -> None:
+    """A member that never calls create_group (mpi: only members call): the other's
+    create_group ends with CollectiveTimeoutError in seconds instead of blocking in
+    MPI_Comm_create_group."""
+    t = make(engine, timeout_s=0.5)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            t.create_group([0, size - 1])
+        except CollectiveTimeoutError as exc:
+            assert "create_group" in str(exc) and "timeout_s=0.5" in str(exc), exc
+        else:
+            raise AssertionError("create_group with an absent member did not time out")
+        assert time.monotonic() - start < 10, "timeout took too long"
+    t.close()
+
+
 def run_all(r: Reducer, engine: str) -> None:
     """Every check on ``r`` (of ``engine``; at least two ranks); leaves ``r`` open."""
     rank, size = r.rank, r.size
@@ -191,6 +209,8 @@ def run_all(r: Reducer, engine: str) -> None:
     assert (rows == rows[0]).all(), "results differ across ranks"
     r.barrier()
     check_dead_peer(engine, rank, size)
+    if engine == "mpi" and size >= 3:  # at 2 ranks [0, 1] is the world, made without MPI
+        check_absent_member(engine, rank, size)
     print(f"rank {rank}/{size}: collectives checked (world {t1 - t0:.1f} s, compression {t2 - t1:.1f} s, "
           f"total {time.monotonic() - t0:.1f} s)", flush=True)
 
