@@ -51,6 +51,7 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "mpi-rs": {"label": "Open MPI Reduce_scatter_block", "kind": "mpi", "collective": "reduce_scatter"},
 }
 RINGS = ("ring-grpc", "ring-shm", "ring-grpc-rs", "ring-shm-rs")
+CLUSTER_PORT = 29500  # every worker has its own address in a simulated cluster
 PEERS = ("mpi", "tf-ring", "mpi-rs")
 
 
@@ -97,10 +98,26 @@ class _RingBackend:
         from hostreduce.reducers import create_reducer
 
         self._np = np
-        self.reducer = create_reducer("ring", cluster=resolve_cluster(),
-                                      config=Config.from_env(transport=transport))
+        config = Config.from_env(transport=transport)
+        self.compression = config.compression
+        self.reducer = create_reducer("ring", cluster=resolve_cluster(), config=config)
         self.rank, self.size = self.reducer.rank, self.reducer.size
         self._collective = collective
+
+    def cast_ms(self, nelem: int, reps: int = 3) -> dict[str, float] | None:
+        """This rank's time (fastest of ``reps``) to cast a float32 buffer to the wire
+        dtype and back: the CPU work compression adds before and after the ring."""
+        from hostreduce.reducers.compression import from_wire, to_wire, wire_dtype
+
+        np = self._np
+        wire = wire_dtype(self.compression, np.dtype(np.float32))
+        if wire is None:
+            return None
+        src = np.random.default_rng(self.rank).standard_normal(nelem, dtype=np.float32)
+        w = to_wire(src, wire)
+        to_s = C.time_op(lambda: to_wire(src, wire), reps)
+        from_s = C.time_op(lambda: from_wire(w, np.float32, src), reps)
+        return {"to_wire_ms": round(min(to_s) * 1e3, 3), "from_wire_ms": round(min(from_s) * 1e3, 3)}
 
     def prepare(self, nelem: int) -> _Cell:
         np = self._np
@@ -374,12 +391,16 @@ def worker_main(args: argparse.Namespace) -> int:
                 reps = C.choose_reps(estimate, plan["target_s"], plan["min_reps"], plan["max_reps"])
             backend.barrier()
             times = C.time_op(cell.run, reps)
-            out.write(json.dumps({
+            record = {
                 "kind": "cell", "rank": rank, "bytes": nbytes, "elements": nelem, "correct": correct,
                 "warmup": nwarm, "warmup_ms": [round(t * 1e3, 4) for t in warm],
                 "reps": reps, "times_ms": [round(t * 1e3, 4) for t in times],
                 "prepare_s": round(prepare_s, 4),
-            }) + "\n")
+            }
+            if plan.get("casts") and hasattr(backend, "cast_ms"):
+                backend.barrier()  # every rank casts at once, as in the all-reduce
+                record["casts"] = backend.cast_ms(nelem)
+            out.write(json.dumps(record) + "\n")
             out.flush()
             del cell, res
     backend.close()
@@ -398,10 +419,18 @@ def _worker_argv(impl: str, plan_path: Path, workdir: Path, rank: int | None) ->
     return argv
 
 
-def _build_job(impl: str, nranks: int, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
+def _build_job(impl: str, nranks: int, plan_path: Path, workdir: Path, timeout_s: float,
+               extra_env: dict[str, str] | None = None, cluster: Any = None) -> C.WorkerJob:
+    """The job of ``impl`` at ``nranks``; ``cluster`` (a ``netcluster.NetCluster``, ring
+    only): one worker in each of its namespaces, behind its shaped links."""
     kind = IMPLEMENTATIONS[impl]["kind"]
     pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    common = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    common = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **(extra_env or {})}
+    if cluster is not None:
+        secret = secrets.token_hex(16)
+        envs = [{**common, **cluster.worker_env(r, CLUSTER_PORT), "HOSTREDUCE_SECRET": secret} for r in range(nranks)]
+        argvs = [cluster.exec_argv(r, _worker_argv(impl, plan_path, workdir, r)) for r in range(nranks)]
+        return C.WorkerJob(f"{impl}-np{nranks}-{cluster.rate}", argvs, envs, workdir, timeout_s)
     if kind == "mpi":
         mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
         if mpirun is None:
@@ -615,6 +644,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory for allreduce.json and allreduce.png")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--keep-workdir", action="store_true", help="keep worker logs and raw files")
+    p.add_argument("--compression", default=None,
+                   help="compression rows instead: e.g. none,fp16,bf16 (ring only; with none, for the speed-ups)")
+    p.add_argument("--network", default="loopback",
+                   help="with --compression: loopback, or a link rate such as 1gbit for a simulated cluster (root)")
+    p.add_argument("--name", default=None, help="results file stem (default allreduce, allreduce.compression)")
+    p.add_argument("--max-load", type=float, default=None, help="wait until the 1-minute load is at most this")
+    p.add_argument("--max-wait-s", type=float, default=600.0)
     # Worker mode (internal).
     p.add_argument("--worker", choices=list(IMPLEMENTATIONS), help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
@@ -643,9 +679,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1. Received: {args.rounds}")
     reps = args.reps if args.reps is not None else (2 if args.quick else None)
+    if args.compression:
+        return _compression_main(args, impls, nps, sizes, reps)
     job_timeout = args.job_timeout or (45.0 if args.quick else 90.0 + 25.0 * len(sizes))
     out_dir = Path(args.out)
-    json_path, png_path = out_dir / "allreduce.json", out_dir / "allreduce.png"
+    stem = args.name or "allreduce"
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
 
     result: dict[str, Any] = {
         "benchmark": "allreduce",
@@ -803,6 +842,225 @@ def _finish(result: dict, impls: list[str], nps: list[int], json_path: Path, png
     C.write_json(json_path, result)
     if plot and rows:
         _plot(png_path, rows, impls, nps)
+
+
+# =========================================================================== compression rows
+#
+# The ring with wire compression (HOSTREDUCE_COMPRESSION per job) against itself without,
+# in one run, optionally on a simulated cluster of shaped links (netcluster.py).
+
+COMPRESSIONS = ("none", "fp16", "bf16")
+COMPRESSION_TARGET = {"compression": "bf16", "bytes": 64 * C.MiB, "min_speedup": 1.8}
+
+
+def _compression_rows(impl: str, n: int, comp: str, network: str, rate_bps: float | None, rnd: int,
+                      records: dict[int, list[dict]]) -> list[dict]:
+    rows = _summarize(impl, n, records)
+    wire_frac = 1.0 if comp == "none" else 0.5
+    for r in rows:
+        r.update(compression=comp, network=network, round=rnd)
+        casts = [rec.get("casts") for recs in records.values() for rec in recs
+                 if rec.get("kind") == "cell" and rec["bytes"] == r["bytes"] and rec.get("casts")]
+        if casts:  # the slowest rank's casts, as the slowest rank's time is reported
+            r["cast_ms"] = round(max(c["to_wire_ms"] + c["from_wire_ms"] for c in casts), 3)
+            r["casts_by_rank"] = casts
+        if rate_bps:
+            bound = C.bus_bandwidth_factor(n) * r["bytes"] * wire_frac / (rate_bps / 8) * 1e3
+            r.update(link_rate_bps=rate_bps, link_bound_ms=round(bound, 3), ratio_to_bound=round(bound / r["time_ms"], 4))
+    return rows
+
+
+def _compression_ratios(rows: list[dict]) -> list[dict]:
+    """Per cell: speed-up of each compression over none (none's time / its time), and what
+    it would be if the ring kept none's efficiency on half the bytes and only the casts
+    were added (``expected_speedup``: the casts are what bound it below 2)."""
+    index = {(r["impl"], r["np"], r["bytes"], r["compression"]): r for r in rows}
+    out = []
+    for (impl, n, nbytes, comp), r in sorted(index.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        base = index.get((impl, n, nbytes, "none"))
+        if comp == "none" or base is None:
+            continue
+        q = {"impl": impl, "np": n, "bytes": nbytes, "size": C.format_size(nbytes), "compression": comp,
+             "none_ms": base["time_ms"], "time_ms": r["time_ms"], "speedup": round(base["time_ms"] / r["time_ms"], 3)}
+        if "cast_ms" in r:
+            q["cast_ms"] = r["cast_ms"]
+            q["expected_ms"] = round(base["time_ms"] / 2 + r["cast_ms"], 3)
+            q["expected_speedup"] = round(base["time_ms"] / q["expected_ms"], 3)
+        out.append(q)
+    return out
+
+
+def _compression_main(args: argparse.Namespace, impls: list[str], nps: list[int], sizes: list[int],
+                      reps: int | None) -> int:
+    from benchmarks import netcluster as NC
+
+    comps = C.parse_list(args.compression, lambda x: x.strip().lower())
+    if any(c not in COMPRESSIONS for c in comps) or "none" not in comps:
+        raise SystemExit(f"--compression must list values of {list(COMPRESSIONS)} including none. "
+                         f"Received: {args.compression!r}")
+    network = args.network
+    rate_bps = None if network == "loopback" else NC.parse_rate(network)
+    if rate_bps and any(i != "ring-grpc" for i in impls):
+        raise SystemExit(f"--network {network} runs the ring over gRPC only (--impl ring-grpc). Received: {impls}")
+    if any(IMPLEMENTATIONS[i]["kind"] != "ring" for i in impls):
+        raise SystemExit(f"--compression applies to the ring only (ring-grpc, ring-shm). Received: {impls}")
+    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    out_dir = Path(args.out)
+    stem = args.name or "allreduce.compression"
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+    job_timeout = args.job_timeout or 120.0 + 60.0 * len(sizes)
+    plan = {"sizes": sizes, "quick": args.quick, "reps": reps, "target_s": args.target_s, "min_reps": args.min_reps,
+            "max_reps": args.max_reps, "worker_timeout_s": max(5.0, job_timeout - 5.0), "casts": True}
+    result: dict[str, Any] = {
+        "benchmark": "allreduce.compression",
+        "description": "float32 all-reduce (sum, out=buf) with hostreduce's ring, wire compression none / fp16 / "
+                       "bf16 (HOSTREDUCE_COMPRESSION); time = slowest rank's median; speedup = none's time / "
+                       "its time; link_bound_ms = 2(N-1)/N * bytes on the wire / B; cast_ms = the slowest rank's "
+                       "float32 -> wire -> float32 casts of the buffer alone (outside the ring's pipeline)",
+        "environment": C.environment(packages=("grpcio", "ml_dtypes"), extra={"load_wait": quiet}),
+        "settings": {"implementations": impls, "np": nps, "sizes": sizes, "compressions": comps,
+                     "network": network, "rounds": args.rounds, "plan": plan, "target": COMPRESSION_TARGET},
+        "runs": {}, "measurements": [], "measurements_other_rounds": [], "ratios": [], "targets": [],
+    }
+    print(f"all-reduce compression benchmark: impls={impls} np={nps} sizes={[C.format_size(x) for x in sizes]} "
+          f"compression={comps} network={network} (results -> {json_path})", flush=True)
+    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-compression-"))
+    plan_path = workroot / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    t_start = time.monotonic()
+    all_rows: list[dict] = []
+    try:
+        for rnd in range(args.rounds):
+            for n in nps:
+                cluster = NC.NetCluster(n, network) if rate_bps else None
+                with cluster if cluster is not None else _nothing():
+                    if cluster is not None:
+                        result["runs"].setdefault(f"tcp_check np{n}", []).append(cluster.measure_rate(0, 1, 1.0))
+                    for comp in (comps if rnd % 2 == 0 else comps[::-1]):
+                        for impl in impls:
+                            all_rows += _run_compressed(impl, n, comp, network, rate_bps, cluster, rnd, workroot,
+                                                        plan_path, job_timeout, result)
+                _pick_fastest(result, all_rows)
+                result["ratios"] = _compression_ratios(result["measurements"])
+                C.write_json(json_path, result)
+    finally:
+        shutil.rmtree(workroot, ignore_errors=True)
+    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
+    result["environment"]["loadavg_at_end"] = C.loadavg()
+    ratios = result["ratios"]
+    for q in ratios:
+        if q["compression"] == COMPRESSION_TARGET["compression"] and q["bytes"] == COMPRESSION_TARGET["bytes"]:
+            goal = COMPRESSION_TARGET["min_speedup"]
+            result["targets"].append({"what": f"{q['impl']} {q['compression']} over none, N={q['np']}, {q['size']}, "
+                                              f"{network}", "value": q["speedup"], "goal": f">= {goal}",
+                                      "met": q["speedup"] >= goal})
+    C.write_json(json_path, result)
+    if not args.no_plot and result["measurements"]:
+        _plot_compression(png_path, result["measurements"], network)
+    _print_compression(result["measurements"], ratios, network)
+    for t in result["targets"]:
+        print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']}x (goal {t['goal']})")
+    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
+          f" in {result['environment']['wall_s']} s")
+    failed = [k for k, v in result["runs"].items() if isinstance(v, dict) and v.get("status") != "ok"]
+    return 1 if failed else 0
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _run_compressed(impl: str, n: int, comp: str, network: str, rate_bps: float | None, cluster: Any, rnd: int,
+                    workroot: Path, plan_path: Path, job_timeout: float, result: dict) -> list[dict]:
+    workdir = workroot / f"{impl}-{comp}-np{n}-round{rnd}"
+    workdir.mkdir()
+    info: dict[str, Any] = {"status": "ok", "loadavg_before": C.loadavg()}
+    res = C.run_job(_build_job(impl, n, plan_path, workdir, job_timeout, {"HOSTREDUCE_COMPRESSION": comp}, cluster))
+    info.update(seconds=round(res.seconds, 1), loadavg_after=C.loadavg())
+    records = {}
+    for f in workdir.glob("rank*.jsonl"):
+        recs = C.read_jsonl(f)
+        if recs:
+            records[recs[0]["rank"]] = recs
+    rows = _compression_rows(impl, n, comp, network, rate_bps, rnd, records)
+    for r in rows:
+        r["loadavg_before"], r["loadavg_after"] = info["loadavg_before"], info["loadavg_after"]
+    if not res.ok:
+        errors = sorted(workdir.glob("error.*"))
+        worker_error = errors[0].read_text()[-3000:] if errors else None
+        info.update(status="error", error=res.error, cause=_first_exception(worker_error, _read_logs(workdir)),
+                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
+    result["runs"][f"{impl} {comp} np{n} round{rnd}"] = info
+    msg = f"  {impl:>9} {comp:>4} N={n} round {rnd + 1}: {info['status']}, {res.seconds:.1f} s"
+    msg += "".join(f"; {C.format_size(r['bytes'])} {r['time_ms']:.1f} ms" for r in rows)
+    if info["status"] != "ok":
+        msg += f" -- {info.get('cause') or info.get('error')}"
+    print(msg, flush=True)
+    return rows
+
+
+def _pick_fastest(result: dict, all_rows: list[dict]) -> None:
+    best: dict[tuple, dict] = {}
+    for r in all_rows:
+        key = (r["impl"], r["np"], r["bytes"], r["compression"])
+        if key not in best or r["time_ms"] < best[key]["time_ms"]:
+            best[key] = r
+    picked = {id(r) for r in best.values()}
+    result["measurements"] = sorted(best.values(), key=lambda r: (r["np"], r["impl"], r["bytes"],
+                                                                  COMPRESSIONS.index(r["compression"])))
+    result["measurements_other_rounds"] = [r for r in all_rows if id(r) not in picked]
+
+
+def _print_compression(rows: list[dict], ratios: list[dict], network: str) -> None:
+    rindex = {(q["impl"], q["np"], q["bytes"], q["compression"]): q for q in ratios}
+    print(f"\nwire compression, {network} (time: slowest rank's median, ms; speed-up = none / compressed; "
+          f"expected = none/2 + casts)")
+    print(f"{'N':>2} {'impl':>9} {'size':>8} {'comp':>5} | {'time':>8} {'bound':>8} {'t/bound':>7} | "
+          f"{'casts':>6} | {'speed-up':>8} {'expected':>8}")
+    for r in rows:
+        q = rindex.get((r["impl"], r["np"], r["bytes"], r["compression"]), {})
+        bound = r.get("link_bound_ms")
+        cols = [f"{bound:.1f}" if bound else "-", f"{r['time_ms'] / bound:.2f}" if bound else "-",
+                f"{r['cast_ms']:.1f}" if "cast_ms" in r else "-", f"{q['speedup']:.2f}x" if q else "-",
+                f"{q['expected_speedup']:.2f}x" if "expected_speedup" in q else "-"]
+        print(f"{r['np']:>2} {r['impl']:>9} {r['size']:>8} {r['compression']:>5} | {r['time_ms']:>8.1f} "
+              f"{cols[0]:>8} {cols[1]:>7} | {cols[2]:>6} | {cols[3]:>8} {cols[4]:>8}"
+              + ("" if r["correct"] else "  ! wrong result"))
+
+
+def _plot_compression(path: Path, rows: list[dict], network: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["np"], r["impl"], r["bytes"]) for r in rows})
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 4.4), squeeze=False)
+    for ax, (n, impl, nbytes) in zip(axes[0], cells):
+        sel = [r for r in rows if (r["np"], r["impl"], r["bytes"]) == (n, impl, nbytes)]
+        base = next((r["time_ms"] for r in sel if r["compression"] == "none"), None)
+        xs = range(len(sel))
+        ax.bar(xs, [r["time_ms"] for r in sel], color="#4477aa", label="all-reduce")
+        ax.bar(xs, [r.get("cast_ms", 0.0) for r in sel], color="#ee7733", label="casts alone")
+        for x, r in zip(xs, sel):
+            if r.get("link_bound_ms"):
+                ax.hlines(r["link_bound_ms"], x - 0.4, x + 0.4, colors="k", linestyles="--",
+                          label="link bound" if x == 0 else None)
+            if base:
+                ax.annotate(f"{base / r['time_ms']:.2f}x", (x, r["time_ms"]), ha="center", va="bottom")
+        ax.set_xticks(list(xs), [r["compression"] for r in sel])
+        ax.set_title(f"N = {n}, {C.format_size(nbytes)}, {impl}")
+        ax.set_ylabel("ms (lower is better)")
+    axes[0][0].legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"Ring all-reduce with wire compression, {network} (speed-up over none above the bars)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _mpirun_version() -> str | None:

@@ -176,8 +176,8 @@ def test_load_model_names_the_argument_it_refuses(jobs: Any) -> None:
     assert second[0]["errors"] == [
         "ConfigError: `custom_optimizers` must be a list of optimizer classes. Received: custom_optimizers='Adam'",
         "ConfigError: `custom_objects` must be a dict of names to objects. Received: custom_objects=['Adam']",
-        "ConfigError: `compression` must be Compression.none, Compression.fp16 or an object with compress() and "
-        "decompress(). Received: compression='fp8'",
+        "ConfigError: `compression` must be Compression.none, Compression.fp16, Compression.bf16 or an object with "
+        "compress() and decompress(). Received: compression='fp8'",
     ]
 
 

@@ -290,3 +290,36 @@ def test_new_steps_round_trip():
     text = b'[0,[[9,["d"],3,0]]]'   # a P2P step without its sid
     with pytest.raises(ValueError, match="malformed P2P step"):
         m.decode(bytes([6]) + len(text).to_bytes(4, "little") + text)
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(3, 4), sizes=st.lists(st.integers(0, 300), min_size=2, max_size=5),
+       dtype=st.sampled_from(["float32", "float16"]), chunk=st.integers(4, 256), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_a_fused_bucket_sums_each_tensor_as_the_tensor_alone(size, sizes, dtype, chunk, seed, data):
+    """Whatever shares a bucket and wherever a tensor lands in it, the gRPC ring sums each
+    element in the same rank order as an all-reduce of that tensor alone (same bits)."""
+    from hostreduce.reducers.ring.datapath import DataPath
+
+    order = data.draw(st.permutations(range(len(sizes))))
+    rng = np.random.default_rng(seed)
+    inputs = [[(rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(dtype) for n in sizes]
+              for _ in range(size)]
+
+    def fn(gi, me, link):
+        path = DataPath(me, size, chunk, link=link)
+        fused = [np.empty_like(inputs[me][t]) for t in order]
+        path.allreduce([inputs[me][t] for t in order], fused, ReduceOp.SUM, tag=1)
+        alone = []
+        for t, x in enumerate(inputs[me]):
+            out = np.empty_like(x)
+            path.allreduce([x], [out], ReduceOp.SUM, tag=2 + t)
+            alone.append(out)
+        return [fused[order.index(t)] for t in range(len(sizes))], alone
+
+    got = run_groups(size, [list(range(size))], fn)
+    for r in range(size):
+        fused, alone = got[r]
+        for t in range(len(sizes)):
+            assert fused[t].tobytes() == alone[t].tobytes(), f"rank {r} tensor {t}"
+            assert fused[t].tobytes() == got[0][1][t].tobytes()

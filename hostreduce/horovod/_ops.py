@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError, HostReduceError
 from ..streaming import Collective, exchange
 from . import _engine
-from ._compression import Compression
+from ._compression import Compression, engine_wire
 from ._process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
@@ -88,8 +88,8 @@ def resolve_op(op: Any, average: Any = None) -> ReduceOp:
 def _check_compression(compression: Any) -> None:
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise ConfigError(
-            "`compression` must be Compression.none, Compression.fp16 or an object with compress() and "
-            f"decompress(). Received: compression={compression!r}"
+            "`compression` must be Compression.none, Compression.fp16, Compression.bf16 or an object with "
+            f"compress() and decompress(). Received: compression={compression!r}"
         )
 
 
@@ -141,10 +141,13 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
         else:
             tensor = tf.convert_to_tensor(tensor)
             scaled = _scale(tensor, prescale_factor, "prescale_factor")
-            wire, ctx = compression.compress(scaled)
-            plan.append(("dense", (len(flat), ctx)))
+            # bf16 off a GPU: the engine casts on the host; the hand-off moves float32.
+            on_host = engine_wire(compression, scaled)
+            wire, ctx = (scaled, None) if on_host else compression.compress(scaled)
+            plan.append(("dense", (len(flat), ctx, on_host)))
             flat.append(wire)
-            collectives.append(Collective("allreduce", name, op.engine_op, label=label))  # type: ignore[arg-type]
+            collectives.append(Collective("allreduce", name, op.engine_op, label=label,  # type: ignore[arg-type]
+                                          compression=on_host))
     results = exchange(channel, flat, collectives, chained=chained)
     out: list[Any] = []
     for kind, info in plan:
@@ -157,8 +160,9 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
                 values = values / tf.cast(world, values.dtype)
             out.append(tf.IndexedSlices(values, indices, dense_shape=dense_shape))
         else:
-            at, ctx = info
-            out.append(_scale(compression.decompress(results[at], ctx), postscale_factor, "postscale_factor"))
+            at, ctx, on_host = info
+            done = results[at] if on_host else compression.decompress(results[at], ctx)
+            out.append(_scale(done, postscale_factor, "postscale_factor"))
     return out
 
 
@@ -196,7 +200,8 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
             Horovod does; ``op`` must then be Average or Sum.
         average: deprecated in Horovod: True is ``op=Average``, False ``op=Sum``.
         device_dense, device_sparse: accepted; hostreduce always reduces in host memory.
-        compression: ``Compression.none`` or ``Compression.fp16`` (float16 on the wire).
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16``
+            (16 bits on the wire; bf16 cast on the host by the engine, see ``_compression.py``).
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.
         prescale_factor, postscale_factor: multiply before / after the reduction.
         name: the collective's name, equal on every rank; default: derived from the

@@ -90,7 +90,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     Args:
         gradtape: a ``tf.GradientTape``, before, during or after recording.
         device_dense, device_sparse: accepted; reductions always run in host memory.
-        compression: ``Compression.none`` or ``Compression.fp16`` for dense gradients.
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16`` (dense gradients).
         sparse_as_dense: reduce ``tf.IndexedSlices`` gradients as dense tensors;
             otherwise their values and indices are all-gathered (as Horovod does).
         op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``.

@@ -148,7 +148,7 @@ class Reducer(abc.ABC):
         arr, rop, out, grp = self._check_allreduce(name, array, op, out, group)
         wire = self._wire(arr, compression)
         if wire is not None:
-            return compressed(name, arr, wire, out, lambda a: self._allreduce_async(name, a, rop, None, grp))
+            return compressed(name, arr, wire, out, lambda a: self._allreduce_async(name, a, rop, a, grp))
         return self._allreduce_async(name, arr, rop, out, grp)
 
     def broadcast_async(self, name: str, array: np.ndarray, root: int = 0, group: Group | None = None) -> Handle:

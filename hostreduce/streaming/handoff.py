@@ -18,6 +18,10 @@ Two faces share these ops:
   wait op per tensor (:meth:`HostCallExchange.wait_ops`), so that each variable's
   update runs as soon as its own reduction is done.
 
+Buckets. The all-reduces of a group (one call of :func:`exchange`, one Estimator
+program) are fused into buckets (``buckets.py``): a bucket is submitted when its last
+tensor is handed off, and each wait op returns when its tensor's bucket is reduced.
+
 Ordering. Engines that negotiate (the ring) accept tensors in any order, so a group's
 hand-off ops are unordered. Engines that need the same submission order on every rank
 (``Channel.ordered``: MPI, Horovod's core ops driven from Python) get stateful ops, which
@@ -35,7 +39,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..reducers.base import SUPPORTED_DTYPES
 from ..timeline import Timeline
-from .slots import Channel, Collective, Slot
+from .slots import Channel, Collective, Slot, fuse
 
 __all__ = ["HostCallExchange", "exchange", "handoff_ops"]
 
@@ -121,7 +125,8 @@ def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Col
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     for tensor, collective in zip(tensors, collectives):
         _check_dtype(tensor, collective)
-    slots = [Slot(c, channel, index=i) for i, c in enumerate(collectives)]
+    slots = [Slot(c, channel, index=i, **_static_spec(t, c)) for i, (t, c) in enumerate(zip(tensors, collectives))]
+    fuse(slots, channel)
     if not tensors:
         return []
     if tf.executing_eagerly():
@@ -148,6 +153,13 @@ def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Col
     return results
 
 
+def _static_spec(tensor: Any, collective: Collective) -> dict[str, Any]:
+    """An all-reduce's shape and dtype where the graph knows them, for the bucket layout."""
+    if collective.kind != "allreduce" or not tensor.shape.is_fully_defined():
+        return {}
+    return {"shape": tuple(tensor.shape.as_list()), "dtype": tensor.dtype.as_numpy_dtype}
+
+
 class HostCallExchange:
     """Host buffers, in-graph hand-off ops and pending reductions of one Estimator program.
 
@@ -171,6 +183,7 @@ class HostCallExchange:
         labels = list(labels) if labels is not None else names
         self.slots = [Slot(Collective("allreduce", names[i], "mean", label=labels[i]), self.channel, i, shape, dtype)
                       for i, (shape, dtype) in enumerate(specs)]
+        fuse(self.slots, self.channel)
         self.defer = defer
         self.timeout: float | None = None
         self.failure: BaseException | None = None

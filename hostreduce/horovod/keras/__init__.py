@@ -42,7 +42,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
             returned optimizer is a new one of the same class and configuration.
         name: the new optimizer's name (default: ``optimizer``'s).
         device_dense, device_sparse: accepted; reductions always run in host memory.
-        compression: ``Compression.none`` or ``Compression.fp16`` (dense gradients).
+        compression: ``Compression.none``, ``Compression.fp16`` or ``Compression.bf16`` (dense gradients).
         sparse_as_dense: reduce ``tf.IndexedSlices`` gradients (an ``Embedding``'s) as
             dense tensors; otherwise their values and indices are all-gathered.
         gradient_predivide_factor: with ``Average``, scale by ``1 / factor`` before the

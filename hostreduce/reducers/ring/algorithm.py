@@ -23,6 +23,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..base import ReduceOp, apply_mean
+from ..compression import combine16
 
 __all__ = ["Link", "segment_bounds", "reduce_into", "reduce_pair", "finalize", "ring_allreduce", "pair_allreduce",
            "ring_allgather", "ring_broadcast"]
@@ -50,7 +51,11 @@ _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool = False) -> None:
     """dst = dst (op) src, elementwise, in place; with ``src_first``, dst = src (op) dst:
     the operand order of the rank whose own data is ``src`` (bitwise identical results,
-    NaN payloads and signed zeros included)."""
+    NaN payloads and signed zeros included). float16 and bfloat16 sums and products are
+    computed in float32 and rounded once, with the bits numpy and ml_dtypes give, in
+    vectorised blocks (their own loops go one element at a time)."""
+    if combine16(dst, src, _UFUNCS[op], src_first):
+        return
     if src_first:
         _UFUNCS[op](src, dst, out=dst)
     else:
@@ -78,10 +83,11 @@ def incoming(payload: bytes | memoryview, dtype: np.dtype, n: int) -> np.ndarray
 
 
 def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: ReduceOp,
-                   chunk_elems: int, tag: int = 0) -> None:
-    """All-reduce the flat array ``buf`` in place."""
+                   chunk_elems: int, tag: int = 0, bounds: Sequence[int] | None = None) -> None:
+    """All-reduce the flat array ``buf`` in place. Segment ``s`` (``bounds[s]`` to
+    ``bounds[s + 1]``; default near-equal) is summed starting from rank ``s``'s data."""
     if size > 1 and buf.size:
-        bounds = segment_bounds(buf.size, size)
+        bounds = segment_bounds(buf.size, size) if bounds is None else bounds
         seg = lambda s: _chunks(bounds[s], bounds[s + 1], chunk_elems)  # noqa: E731
         for lo, hi in seg(rank):
             link.send(tag, buf[lo:hi])

@@ -54,17 +54,23 @@ class DataPath:
         elif shm is not None and not shm.direct_available():
             shm.allreduce(flats_in, dtype, n, op, work)
         else:
-            off = 0
-            for f in flats_in:
-                if work[off:off + f.size].__array_interface__["data"][0] != f.__array_interface__["data"][0]:
-                    work[off:off + f.size] = f
-                off += f.size
+            ring = shm is None and size > 2
+            pieces, bounds = _layout([f.size for f in flats_in], size if ring else 1)
+            for t, lo, hi, at in pieces:
+                f = flats_in[t]
+                if work[at:].__array_interface__["data"][0] != f[lo:].__array_interface__["data"][0]:
+                    work[at:at + hi - lo] = f[lo:hi]
             if shm is not None:
                 shm.allreduce_direct(work, op)
             elif size == 2:
                 algorithm.pair_allreduce(work, rank, link, op, self._chunk_elems(dtype.itemsize), tag)
             else:
-                algorithm.ring_allreduce(work, rank, size, link, op, self._chunk_elems(dtype.itemsize), tag)
+                algorithm.ring_allreduce(work, rank, size, link, op, self._chunk_elems(dtype.itemsize), tag,
+                                         bounds if len(arrays) > 1 else None)
+            if len(arrays) > 1:
+                for t, lo, hi, at in pieces:
+                    outs[t].reshape(-1)[lo:hi] = work[at:at + hi - lo]
+            return
         if len(arrays) > 1:
             off = 0
             for o in outs:
@@ -177,6 +183,23 @@ class DataPath:
         """Receive into ``out`` (C-contiguous) the array world rank ``src`` sends."""
         collectives.recv_array(out.reshape(-1), src, self._link, self._chunk_elems(out.dtype.itemsize), tag)
         return out
+
+
+def _layout(sizes: Sequence[int], parts: int) -> tuple[list[tuple[int, int, int, int]], list[int]]:
+    """Lay a fused bucket out segment by segment: segment ``s`` of the bucket holds segment
+    ``s`` of each tensor, so each element is summed in the same rank order whatever else
+    shares its bucket (reproducible runs). Returns pieces ``(tensor, lo, hi, offset in the
+    bucket)`` and the bucket's segment bounds."""
+    cuts = [algorithm.segment_bounds(n, parts) for n in sizes]
+    pieces: list[tuple[int, int, int, int]] = []
+    bounds, at = [0], 0
+    for s in range(parts):
+        for t, b in enumerate(cuts):
+            if b[s + 1] > b[s]:
+                pieces.append((t, b[s], b[s + 1], at))
+                at += b[s + 1] - b[s]
+        bounds.append(at)
+    return pieces, bounds
 
 
 def _row(inner: tuple[int, ...]) -> int:

@@ -5,7 +5,10 @@ by consecutive collectives (so a fast rank never overwrites data a slow rank sti
 reads). All-reduce: every rank writes its input into its region; after a barrier,
 rank r reduces slice r of all regions into its own region; after a second barrier
 every rank copies the reduced slices out. Each slice is computed by one rank only, so
-results are bitwise identical everywhere. Where every rank may read its peers' memory
+results are bitwise identical everywhere. Each element is reduced in rank order,
+x_0 op x_1 op ... op x_{N-1}, whichever rank computes it: where an element lands in a
+fused bucket (so which rank reduces it) depends on timing, and its bits must not, or
+two runs of the same job would differ. Where every rank may read its peers' memory
 (``_cma.py``), an all-reduce reads the peers' buffers directly instead (one copy less).
 The counters that order these steps, and the waits for them, are the control
 segment's (``shm_sync.py``).
@@ -15,18 +18,41 @@ Segments grow to the largest collective seen; their names last only while they g
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ...errors import PeerLostError
-from .algorithm import finalize, reduce_into, segment_bounds
+from .algorithm import _UFUNCS, finalize, reduce_into, segment_bounds
 from .shm_sync import ControlBlock, Segment, Waiter
 from ..base import ReduceOp
 
 __all__ = ["ShmGroup"]
 
 _BLOCK_BYTES = 1024 * 1024
+
+
+def _reduce_in_rank_order(acc: np.ndarray, rank: int, size: int, op: ReduceOp,
+                          fetch: Callable[[int, np.ndarray | None], np.ndarray],
+                          tmp: np.ndarray | None, head: np.ndarray | None) -> None:
+    """``acc`` holds this rank's operand x_rank; make it x_0 op x_1 op ... op x_{size-1},
+    left to right, as rank 0 computes it. ``fetch(j, dst)`` gives rank j's operand (read
+    into ``dst``, or a view); ``tmp`` receives the ranks after this one; ``head`` (ranks
+    >= 2) accumulates the ranks before it. As many passes as own-operand-first."""
+    if rank == 1:
+        reduce_into(acc, fetch(0, tmp), op, src_first=True)
+    elif rank > 1:
+        assert head is not None
+        x0 = fetch(0, head)
+        if x0 is head:
+            reduce_into(head, fetch(1, tmp), op)
+        else:
+            _UFUNCS[op](x0, fetch(1, tmp), out=head)
+        for j in range(2, rank):
+            reduce_into(head, fetch(j, tmp), op)
+        reduce_into(acc, head, op, src_first=True)
+    for j in range(rank + 1, size):
+        reduce_into(acc, fetch(j, tmp), op)
 
 
 class ShmGroup:
@@ -46,6 +72,7 @@ class ShmGroup:
         self._cap = [0] * self.size      # bytes per region of each rank's segment
         self._gen = [0] * self.size
         self._segs: list[Segment | None] = [None] * self.size
+        self._tmp: list[np.ndarray | None] = [None, None]   # block-sized scratch
 
     def barrier(self) -> None:
         self.control.barrier()
@@ -106,16 +133,19 @@ class ShmGroup:
         item = buf.dtype.itemsize
         lo, hi = bounds[rank], bounds[rank + 1]
         block = max(1, _BLOCK_BYTES // item)
-        tmp = self._scratch(buf.dtype, min(block, max(hi - lo, 1)))
+        count = min(block, max(hi - lo, 1))
+        tmp, head = self._scratch(buf.dtype, count, 0), self._scratch(buf.dtype, count, 1)
         try:
             for a in range(lo, hi, block):
                 b = min(hi, a + block)
                 acc = buf[a:b]
-                t = tmp[: b - a]
-                for j in range(size):
-                    if j != rank:
-                        _cma.read_into(self._pids[j], addrs[j] + a * item, t)
-                        reduce_into(acc, t, op)
+
+                def fetch(j: int, dst: np.ndarray | None) -> np.ndarray:
+                    assert dst is not None
+                    _cma.read_into(self._pids[j], addrs[j] + a * item, dst)
+                    return dst
+
+                _reduce_in_rank_order(acc, rank, size, op, fetch, tmp[: b - a], head[: b - a])
                 finalize(acc, op, size)
             self.control.post("reduced", self._reduced_base[rank] + 1)
             for k in range(1, size):
@@ -137,10 +167,10 @@ class ShmGroup:
         while int(w["done"].min()) < seq:  # peers may still be reading our slice
             waiter.idle(lambda: [j for j in range(size) if int(w["done"][j]) < seq])
 
-    def _scratch(self, dtype: np.dtype, count: int) -> np.ndarray:
-        buf = getattr(self, "_tmp", None)
+    def _scratch(self, dtype: np.dtype, count: int, slot: int) -> np.ndarray:
+        buf = self._tmp[slot]
         if buf is None or buf.nbytes < count * dtype.itemsize:
-            buf = self._tmp = np.empty(max(count * dtype.itemsize, _BLOCK_BYTES), np.uint8)
+            buf = self._tmp[slot] = np.empty(max(count * dtype.itemsize, _BLOCK_BYTES), np.uint8)
         return buf[: count * dtype.itemsize].view(dtype)
 
     # ------------------------------------------------------------------ buffers
@@ -239,9 +269,8 @@ class ShmGroup:
                 b = owned[n_red]
                 lo, hi = b * block, min(n, (b + 1) * block)
                 acc = mine[lo:hi]
-                for j in range(size):
-                    if j != rank:
-                        reduce_into(acc, views[j][lo:hi], op)
+                _reduce_in_rank_order(acc, rank, size, op, lambda j, _: views[j][lo:hi], None,
+                                      self._scratch(dtype, hi - lo, 1) if rank > 1 else None)
                 finalize(acc, op, size)
                 n_red += 1
                 self.control.post("reduced", base_r[rank] + n_red)

@@ -60,7 +60,7 @@ def _direct(shm: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp
     item = flat.dtype.itemsize
     lo, hi = bounds[rank], bounds[rank + 1]
     block = max(1, _BLOCK_BYTES // item)
-    tmp = shm._scratch(flat.dtype, min(block, max(hi - lo, 1)))
+    tmp = shm._scratch(flat.dtype, min(block, max(hi - lo, 1)), 0)
     j = rank
     try:
         for a in range(lo, hi, block):

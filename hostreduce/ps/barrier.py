@@ -1,0 +1,93 @@
+"""Synchronous steps on one ps: the gradients of step S from every worker are held until
+all N have arrived, summed in rank order (so the bits do not depend on who came first)
+and applied once; every worker's push returns only then, so its next pull sees step S.
+
+A worker that does not push within the wait fails the step for everyone waiting, with
+an error naming the missing ranks; nothing of that step is applied.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..errors import CollectiveTimeoutError, TensorMismatchError
+
+__all__ = ["StepBarrier", "Contribution"]
+
+# name -> dense gradient, and name -> (row ids, gradient rows)
+Contribution = tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]
+
+
+class StepBarrier:
+    def __init__(self, ps_index: int, num_workers: int, apply: Callable[[int, Contribution], None],
+                 current_step: Callable[[], int], *, reduce: str = "sum") -> None:
+        self.index, self.num_workers = ps_index, num_workers
+        self._apply, self._current = apply, current_step
+        self._scale = 1.0 if reduce == "sum" else 1.0 / num_workers
+        self._cond = threading.Condition()
+        self._parts: dict[int, Contribution] = {}
+        self._step: int | None = None
+        self._failed: dict[int, str] = {}        # step -> why it failed
+        self._done_step = -1
+        self.last_seen: dict[int, float] = {}
+
+    def arrive(self, rank: int, step: int, part: Contribution, wait_s: float) -> None:
+        """Add ``rank``'s gradients of ``step``; return once the step is applied."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            self.last_seen[rank] = time.monotonic()
+            expected = self._current() + 1
+            if step in self._failed:
+                raise CollectiveTimeoutError(self._failed[step])
+            if step != expected:
+                raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step}; the ps is at "
+                                          f"step {expected - 1} and expects step {expected}")
+            if rank in self._parts:
+                raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step} twice")
+            self._parts[rank] = part
+            if len(self._parts) == self.num_workers:
+                parts, self._parts = self._parts, {}
+                try:
+                    self._apply(step, self._sum(parts))
+                finally:
+                    self._done_step = step
+                    self._cond.notify_all()
+                return
+            while self._done_step < step and step not in self._failed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.num_workers)) - set(self._parts))
+                    now = time.monotonic()
+                    heard = ", ".join(f"worker {r} last heard {now - self.last_seen[r]:.1f} s ago"
+                                      if r in self.last_seen else f"worker {r} never pushed" for r in missing)
+                    self._failed[step] = (
+                        f"ps task {self.index}: step {step} timed out after {wait_s:.1f} s waiting for worker "
+                        f"rank(s) {missing} ({heard}); a straggler or a lost worker. Nothing of step {step} "
+                        "was applied")
+                    self._parts = {}
+                    self._cond.notify_all()
+                    break
+                self._cond.wait(left)
+            if step in self._failed:
+                raise CollectiveTimeoutError(self._failed[step])
+
+    def _sum(self, parts: dict[int, Contribution]) -> Contribution:
+        dense: dict[str, np.ndarray] = {}
+        rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for rank in sorted(parts):
+            d, r = parts[rank]
+            for name, g in d.items():
+                dense[name] = g.copy() if name not in dense else dense[name] + g
+            for name, pair in r.items():
+                rows.setdefault(name, []).append(pair)
+        if self._scale != 1.0:
+            dense = {n: g * g.dtype.type(self._scale) for n, g in dense.items()}
+        out_rows = {}
+        for name, pairs in rows.items():
+            ids = np.concatenate([p[0] for p in pairs])
+            vals = np.concatenate([p[1] for p in pairs])
+            out_rows[name] = (ids, vals * vals.dtype.type(self._scale) if self._scale != 1.0 else vals)
+        return dense, out_rows

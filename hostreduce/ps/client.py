@@ -1,0 +1,243 @@
+"""A worker's view of the parameter servers: one call fans out to every ps concerned at
+once (gRPC futures, no threads), and the answers are merged back into whole variables.
+
+Rows: the ids of a lookup are made unique first, routed to the ps that hold them
+(``placement.route``) and the pulled rows spread back over the original positions;
+a gradient's duplicate rows are summed before they are sent. Traffic is thus one row
+per distinct id of the batch, whatever the size of the table.
+
+Every call has a deadline of ``timeout_s``; a ps that dies or stops answering raises
+PeerLostError naming its task and address at once (a closed connection) or at the
+deadline (a hung one), and the calls still in flight to the other ps are cancelled.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import errors
+from ..errors import ConfigError, PeerLostError
+from . import checkpoint, wire
+from .handshake import SESSION_KEY, login
+from .optimizers import HostOptimizer
+from .placement import DEFAULT_SHARD_BYTES, Placement, VarSpec, place
+from .rows import sum_duplicates
+
+__all__ = ["PSClient"]
+
+
+class PSClient:
+    def __init__(self, ps_addresses: Sequence[str], rank: int, num_workers: int, secret: str, *,
+                 timeout_s: float = 30.0, connect_timeout_s: float = 60.0) -> None:
+        if not ps_addresses:
+            raise ConfigError("`ps_addresses` must name at least one ps task. Received: ps_addresses=[]")
+        if not isinstance(rank, int) or not 0 <= rank < num_workers:
+            raise ConfigError(f"`rank` must be in [0, {num_workers}). Received: rank={rank!r}")
+        self.addresses, self.rank, self.num_workers = tuple(ps_addresses), rank, num_workers
+        self.timeout_s, self._secret = float(timeout_s), secret
+        self.placement: Placement | None = None
+        self.bytes_sent: dict[str, int] = {}
+        self.bytes_received: dict[str, int] = {}
+        self._stubs: list[dict[str, Any]] = []
+        self._meta: list[tuple] = []
+        self._channels: list[Any] = []
+        self._connect(connect_timeout_s)
+
+    # ------------------------------------------------------------------ plumbing
+    def _connect(self, connect_timeout_s: float) -> None:
+        import grpc
+
+        deadline = time.monotonic() + connect_timeout_s
+        for m, addr in enumerate(self.addresses):
+            channel = grpc.insecure_channel(addr, options=wire.channel_options(self.timeout_s))
+            self._channels.append(channel)
+            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline)
+            self._meta.append(((SESSION_KEY, token),))
+            self._stubs.append({n: channel.unary_unary(f"/{wire.SERVICE}/{n}") for n in wire.METHODS})
+
+    def _error(self, m: int, method: str, e: Any) -> Exception:
+        import grpc
+
+        code, details = e.code(), e.details() or ""
+        where = f"ps task {m} at {self.addresses[m]!r}"
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT) and ": " in details:
+            kind, _, text = details.partition(": ")
+            cls = getattr(errors, kind, None)
+            if isinstance(cls, type) and issubclass(cls, errors.HostReduceError):
+                return cls(f"Worker {self.rank}, {method} on {where}: {text}")
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return errors.AuthenticationError(f"Worker {self.rank}: {where} refused {method}: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return PeerLostError(f"Worker {self.rank}: {where} did not answer {method} within timeout_s="
+                                 f"{self.timeout_s:g} (the ps is hung or unreachable)")
+        return PeerLostError(f"Worker {self.rank}: {where} is lost: {method} failed with {code.name} ({details}); "
+                             "its process ended or the network failed")
+
+    def _call(self, method: str, requests: Mapping[int, bytes], timeout: float | None = None
+              ) -> dict[int, tuple[dict, list[np.ndarray]]]:
+        """Send ``requests[m]`` to every ps ``m`` at once; the unpacked replies by ps."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        calls = {}
+        for m, req in requests.items():
+            self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
+            fut = self._stubs[m][method].future(req, timeout=timeout or self.timeout_s, metadata=self._meta[m])
+            fut.add_done_callback(lambda f, m=m: done.put((m, f)))
+            calls[m] = fut
+        out = {}
+        try:
+            for _ in range(len(calls)):
+                m, fut = done.get()
+                exc = fut.exception()
+                if exc is not None:
+                    raise self._error(m, method, exc)
+                raw = fut.result()
+                self.bytes_received[method] = self.bytes_received.get(method, 0) + len(raw)
+                out[m] = wire.unpack(raw)
+        finally:
+            for fut in calls.values():
+                fut.cancel()
+        return out
+
+    def _need(self) -> Placement:
+        if self.placement is None:
+            raise ConfigError(f"Worker {self.rank}: no variables yet; call register() (chief) or wait_ready()")
+        return self.placement
+
+    # ------------------------------------------------------------------ set-up
+    def register(self, values: Mapping[str, np.ndarray], optimizer: HostOptimizer | dict, *,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> Placement:
+        """Place ``values`` over the ps and initialise them (the chief; a second call
+        with the same variables keeps the values the ps hold)."""
+        values = {n: np.asarray(v) for n, v in values.items()}
+        config = optimizer.get_config() if isinstance(optimizer, HostOptimizer) else dict(optimizer)
+        p = place([VarSpec(n, v.shape, v.dtype.name) for n, v in values.items()], len(self.addresses),
+                  shard_bytes=shard_bytes)
+        requests = {}
+        for m in range(p.num_ps):
+            names = p.on(m)
+            parts = [p[n].split(values[n].astype(p[n].spec.dtype, copy=False))[m] for n in names]
+            requests[m] = wire.pack({"placement": p.to_json(), "optimizer": config, "names": names}, parts)
+        self._call("Register", requests, timeout=max(self.timeout_s, 60.0))
+        self.placement = p
+        return p
+
+    def wait_ready(self, timeout_s: float | None = None) -> Placement:
+        """Wait until the chief registered the variables on every ps; their placement."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            infos = self._call("Info", {m: wire.pack({}) for m in range(len(self.addresses))})
+            if all(h["placement"] is not None for h, _ in infos.values()):
+                self.placement = Placement.from_json(infos[0][0]["placement"])
+                return self.placement
+            if time.monotonic() > deadline:
+                raise errors.CollectiveTimeoutError(f"Worker {self.rank}: the chief did not register the variables "
+                                                    "on every ps within the timeout")
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ pulls
+    def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """The current values of ``names`` (default: every variable), whole."""
+        p = self._need()
+        names = list(p.entries) if names is None else list(names)
+        per_ps = {m: [n for n in names if p[n].local_rows(m) > 0 or p[n].ps == m] for m in range(p.num_ps)}
+        replies = self._call("PullDense", {m: wire.pack({"names": ns}) for m, ns in per_ps.items() if ns})
+        parts: dict[str, dict[int, np.ndarray]] = {}
+        for m, (_, arrays) in replies.items():
+            for n, arr in zip(per_ps[m], arrays):
+                parts.setdefault(n, {})[m] = arr
+        out = {}
+        for n in names:
+            got = parts[n]
+            out[n] = p[n].merge([got.get(m, np.empty((0,) + p[n].spec.shape[1:], p[n].spec.dtype))
+                                 for m in range(p.num_ps)])
+        return out
+
+    def pull_rows(self, ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """For each variable, its rows at ``ids`` (any shape, repeats allowed): an array
+        of shape ``ids.shape + row shape``."""
+        p = self._need()
+        plan, requests = [], {m: ([], []) for m in range(p.num_ps)}
+        for n, raw in ids.items():
+            flat = np.asarray(raw, dtype=np.int64)
+            uniq, inverse = np.unique(flat.reshape(-1), return_inverse=True)
+            routes = p[n].route(uniq)
+            plan.append((n, flat.shape, uniq, inverse, routes))
+            for m, (pos, local) in enumerate(routes):
+                if len(pos):
+                    requests[m][0].append(n)
+                    requests[m][1].append(local)
+        replies = self._call("PullRows", {m: wire.pack({"names": ns}, arrs) for m, (ns, arrs) in requests.items() if ns})
+        got = {m: dict(zip(requests[m][0], arrays)) for m, (_, arrays) in replies.items()}
+        out = {}
+        for n, shape, uniq, inverse, routes in plan:
+            rows = np.empty((len(uniq),) + p[n].spec.shape[1:], dtype=p[n].spec.dtype)
+            for m, (pos, _) in enumerate(routes):
+                if len(pos):
+                    rows[pos] = got[m][n]
+            out[n] = rows[inverse].reshape(shape + rows.shape[1:])
+        return out
+
+    # ------------------------------------------------------------------ pushes
+    def push(self, dense: Mapping[str, np.ndarray] | None = None,
+             rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, *, step: int | None = None) -> None:
+        """Send gradients: ``dense`` whole, ``rows`` as ``(ids, values)`` (an
+        IndexedSlices' indices and values). Sync mode: ``step`` is required, every ps
+        gets a push (maybe empty) and the call returns when step ``step`` is applied."""
+        p = self._need()
+        dense, rows = dict(dense or {}), dict(rows or {})
+        per_ps: dict[int, tuple[list, list, list, list]] = {m: ([], [], [], []) for m in range(p.num_ps)}
+        for n, g in dense.items():
+            for m, part in enumerate(p[n].split(np.asarray(g))):
+                if p[n].local_rows(m) > 0 or p[n].ps == m:
+                    per_ps[m][0].append(n)
+                    per_ps[m][1].append(part)
+        for n, (ids, vals) in rows.items():
+            uniq, summed = sum_duplicates(ids, np.asarray(vals).reshape((-1,) + p[n].spec.shape[1:]))
+            for m, (pos, local) in enumerate(p[n].route(uniq)):
+                if len(pos):
+                    per_ps[m][2].append(n)
+                    per_ps[m][3].extend((local, summed[pos]))
+        requests = {m: wire.pack({"step": step, "dense": d, "rows": r}, da + ra)
+                    for m, (d, da, r, ra) in per_ps.items() if step is not None or d or r}
+        self._call("Push", requests)
+
+    # ------------------------------------------------------------------ job
+    def save(self, directory: str, step: int, *, keep: int = 3) -> None:
+        """Checkpoint every shard at ``step``; publish the index once all are written."""
+        p = self._need()
+        self._call("Save", {m: wire.pack({"dir": directory, "step": step}) for m in range(p.num_ps)},
+                   timeout=max(self.timeout_s, 300.0))
+        checkpoint.publish_index(directory, step, p, self._optimizer_config())
+        checkpoint.prune(directory, keep)
+
+    def _optimizer_config(self) -> dict:
+        return self._call("Info", {0: wire.pack({})})[0][0]["optimizer"]
+
+    def restore(self, directory: str) -> int | None:
+        """Load the checkpoint ``directory``'s index names into every ps (re-sharded if it
+        was written by another number of ps); its step, or None if there is none."""
+        self._need()
+        if checkpoint.read_index(directory) is None:
+            return None
+        replies = self._call("Restore", {m: wire.pack({"dir": directory}) for m in range(len(self.addresses))},
+                             timeout=max(self.timeout_s, 300.0))
+        return int(replies[0][0]["step"])
+
+    def shutdown(self) -> list[str]:
+        """End the job: every ps still alive returns from ``serve()`` (the chief only).
+        Returns the errors of the ps that could not be told (lost ones), if any."""
+        lost = []
+        for m in range(len(self.addresses)):
+            try:
+                self._call("Shutdown", {m: wire.pack({})}, timeout=min(self.timeout_s, 5.0))
+            except PeerLostError as e:
+                lost.append(str(e))
+        return lost
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels = []

@@ -1,0 +1,121 @@
+"""Who may talk to a parameter server: the ring's mutual HMAC handshake
+(``reducers/ring/admission.py`` and ``auth.py``), then a session for the connection.
+
+Workers and ps tasks share one id space for the proofs: worker ``r`` is ``r``, ps task
+``m`` is ``num_workers + m``, so a proof names both ends and a ps's proof cannot pass
+for a worker's. The worker sends ``{"rank", "nonce"}`` (``Hello``); the ps answers
+with its id, a nonce and its proof; the worker checks that proof and sends its own
+(``Login``, in the call's metadata); the ps then hands it a random session token that
+every later call carries. A refused handshake is logged (rate-limited by
+``admission.Refusals``) and changes nothing else: a stranger cannot disturb the job.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any
+
+from ..errors import AuthenticationError, ClusterError
+from ..reducers.ring import admission, auth
+
+__all__ = ["Gate", "login", "SESSION_KEY"]
+
+SESSION_KEY = "hr-session"
+
+
+class Gate:
+    """The serving side: handshakes, sessions, and the worker behind each call."""
+
+    def __init__(self, ps_index: int, num_workers: int, num_ps: int, secret: str) -> None:
+        self.me = num_workers + ps_index
+        self.size = num_workers + num_ps
+        self.num_workers = num_workers
+        self._secret = secret
+        self._nonces = auth.NonceBook()
+        self.refusals = admission.Refusals(self.me)
+        self._sessions: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _refuse(self, context: Any, claimed: int | None, why: str, code_name: str) -> None:
+        import grpc
+
+        with self._lock:
+            connected = set(self._sessions.values())
+        self.refusals.refuse(context.peer(), claimed, why, connected)
+        context.abort(getattr(grpc.StatusCode, code_name), f"ps id {self.me}: {why}")
+
+    def hello(self, request: bytes, context: Any) -> bytes:
+        try:
+            rank, nonce = admission.parse_hello(request, self.me, self.size)
+            if rank >= self.num_workers:
+                raise ValueError(f"rank {rank} is not a worker (workers are 0..{self.num_workers - 1})")
+        except ValueError as e:
+            self._refuse(context, None, f"malformed handshake: {e}", "INVALID_ARGUMENT")
+        return admission.hello_reply(self._secret, self.me, rank, nonce, self._nonces.issue())
+
+    def login(self, request: bytes, context: Any) -> bytes:
+        meta = dict(context.invocation_metadata())
+        try:
+            rank = int(meta.get("hr-rank", "-1"))
+        except ValueError:
+            rank = -1
+        nonce, proof = meta.get("hr-nonce", ""), meta.get("hr-proof", "")
+        valid = 0 <= rank < self.num_workers
+        if not (valid and self._nonces.redeem(nonce) and auth.verify(self._secret, "client", nonce, rank, self.me, proof)):
+            why = "wrong or missing shared secret" if valid else f"invalid rank {admission.short(meta.get('hr-rank'))}"
+            self._refuse(context, rank if valid else None, why, "UNAUTHENTICATED")
+        token = secrets.token_hex(16)
+        with self._lock:
+            self._sessions[token] = rank
+        return token.encode()
+
+    def worker(self, context: Any) -> int:
+        """The authenticated worker rank behind a call; aborts the call otherwise."""
+        token = dict(context.invocation_metadata()).get(SESSION_KEY, "")
+        with self._lock:
+            rank = self._sessions.get(token)
+        if rank is None:
+            self._refuse(context, None, "call without a valid session (no handshake)", "UNAUTHENTICATED")
+        return rank  # type: ignore[return-value]
+
+
+def login(channel: Any, service: str, secret: str, rank: int, ps_index: int, num_workers: int,
+          addr: str, deadline: float) -> str:
+    """Authenticate worker ``rank`` to ps task ``ps_index`` at ``addr`` (both ways);
+    returns the session token. Waits for the ps to come up until ``deadline``."""
+    import grpc
+
+    me, ps_id = rank, num_workers + ps_index
+    my_nonce = auth.new_nonce()
+    hello = channel.unary_unary(f"/{service}/Hello")
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ClusterError(f"Worker {rank}: ps task {ps_index} at {addr!r} did not answer within the "
+                               "connect timeout (it has not started, or the address is wrong)")
+        try:
+            raw = hello(admission.hello_request(me, my_nonce), timeout=min(left, 1.0), wait_for_ready=True)
+            break
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ClusterError(f"Worker {rank}: handshake with ps task {ps_index} at {addr!r} failed: "
+                                   f"{e.details()}") from None
+            time.sleep(0.05)
+    server_nonce, proved = admission.read_reply(raw, secret, me, ps_id, my_nonce, addr)
+    # Sent even when the ps failed its proof, so that the ps logs the refusal too (a
+    # proof of its single-use nonce is of no use to anyone else).
+    proof = auth.prove(secret, "client", server_nonce, me, ps_id)
+    try:
+        token = channel.unary_unary(f"/{service}/Login")(
+            b"", timeout=max(1.0, deadline - time.monotonic()),
+            metadata=(("hr-rank", str(me)), ("hr-nonce", server_nonce), ("hr-proof", proof)))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED or not proved:
+            raise AuthenticationError(f"Worker {rank}: ps task {ps_index} at {addr!r} refused this worker's "
+                                      f"proof ({e.details()}); every task needs the same HOSTREDUCE_SECRET") from None
+        raise ClusterError(f"Worker {rank}: login to ps task {ps_index} at {addr!r} failed: {e.details()}") from None
+    if not proved:
+        raise AuthenticationError(f"Worker {rank}: the process at {addr!r} failed to prove it is ps task "
+                                  f"{ps_index} of this job: a different HOSTREDUCE_SECRET, or another job's ps")
+    return token.decode()

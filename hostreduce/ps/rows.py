@@ -1,0 +1,40 @@
+"""Row-sparse gradients: summing the rows of duplicate ids, vectorised.
+
+An embedding lookup of a batch yields one gradient row per occurrence of an id
+(``tf.IndexedSlices`` with repeated indices). Every consumer here (the wire, the sync
+sum over workers, the sparse kernels) wants each id once with its rows summed: a
+sparse kernel applied to repeated ids would apply the later rows on top of the earlier
+update instead of to their sum.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+
+__all__ = ["sum_duplicates", "check_rows"]
+
+
+def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(unique ids, ascending; the sum of each id's rows)``. A stable sort then one
+    ``np.add.reduceat``, so rows are summed in their order of arrival (deterministic)."""
+    ids = np.asarray(ids).reshape(-1).astype(np.int64, copy=False)
+    values = np.asarray(values)
+    if len(ids) != (values.shape[0] if values.ndim else 1):
+        raise ConfigError(f"`values` must have one row per id: {len(ids)} ids. "
+                          f"Received: values.shape={values.shape}")
+    if len(ids) == 0:
+        return ids, values
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    if len(starts) == len(ids):  # no duplicates: just the sort
+        return sorted_ids, values[order]
+    return sorted_ids[starts], np.add.reduceat(values[order], starts, axis=0)
+
+
+def check_rows(name: str, ids: np.ndarray, num_rows: int) -> None:
+    """Raise ConfigError naming ``name`` if an id is outside ``[0, num_rows)``."""
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_rows):
+        bad = ids[(ids < 0) | (ids >= num_rows)][:5].tolist()
+        raise ConfigError(f"row ids of {name!r} must be in [0, {num_rows}). Received: ids including {bad}")

@@ -1,0 +1,205 @@
+"""A ps task: serves its shard of the variables over gRPC until the chief ends the job.
+
+One generic gRPC service (``wire.SERVICE``) bound to exactly the address the cluster
+gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
+method takes and returns one ``wire`` message and runs only for an authenticated
+worker. Errors travel as the call's status with ``"<ErrorClass>: message"`` as its
+details, and the client raises the same class.
+
+``mode="sync"``: a push carries one worker's gradients of step S for this ps and
+returns when every worker's have been summed and applied (``barrier.py``).
+``mode="async"``: each push is applied on arrival; a worker silent for ``timeout_s``
+is logged as lost and the others go on.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import ClusterError, ConfigError, HostReduceError, TensorMismatchError
+from . import checkpoint, wire
+from .barrier import Contribution, StepBarrier
+from .handshake import Gate
+from .placement import Placement
+from .store import ShardStore
+
+__all__ = ["ParameterServer"]
+
+log = logging.getLogger("hostreduce.ps")
+
+
+class ParameterServer:
+    def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
+                 mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum") -> None:
+        if mode not in ("sync", "async"):
+            raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
+        if reduce not in ("sum", "mean"):
+            raise ConfigError(f"`reduce` must be 'sum' or 'mean'. Received: reduce={reduce!r}")
+        if not isinstance(index, int) or not 0 <= index < len(ps_addresses):
+            raise ClusterError(f"`index` must be in [0, {len(ps_addresses)}). Received: index={index!r}")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ClusterError(f"`num_workers` must be an integer >= 1. Received: num_workers={num_workers!r}")
+        if not secret:
+            raise ConfigError("`secret` must be a non-empty string (HOSTREDUCE_SECRET). Received: secret=''")
+        self.index, self.addresses, self.num_workers = index, tuple(ps_addresses), num_workers
+        self.mode, self.timeout_s = mode, float(timeout_s)
+        self.store = ShardStore(index)
+        self.barrier = StepBarrier(index, num_workers, self._apply_step, lambda: self.store.step, reduce=reduce)
+        self.gate = Gate(index, num_workers, len(ps_addresses), secret)
+        self.bytes_in: dict[str, int] = {}
+        self.bytes_out: dict[str, int] = {}
+        self._seen: dict[int, float] = {}
+        self._lost: set[int] = set()
+        self._done = threading.Event()
+        self._server: Any = None
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        import grpc
+
+        addr = self.addresses[self.index]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
+                                                              thread_name_prefix=f"hostreduce-ps{self.index}"),
+                                   options=wire.channel_options(self.timeout_s))
+        handlers = {"Hello": grpc.unary_unary_rpc_method_handler(self.gate.hello),
+                    "Login": grpc.unary_unary_rpc_method_handler(self.gate.login)}
+        for name in wire.METHODS:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+        try:
+            bound = self._server.add_insecure_port(addr)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise ClusterError(f"ps task {self.index} cannot listen on {addr!r}: the port is taken or the address "
+                               "is not local")
+        self._server.start()
+        if self.mode == "async":
+            threading.Thread(target=self._watch, daemon=True, name=f"hostreduce-ps{self.index}-watch").start()
+        log.info("ps task %d serving on %s (%s, %d workers)", self.index, addr, self.mode, self.num_workers)
+
+    def serve(self) -> None:
+        """Start, serve until the chief calls ``Shutdown``, then return."""
+        if self._server is None:
+            self.start()
+        self._done.wait()
+        self.stop()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait()
+
+    def _watch(self) -> None:
+        while not self._done.wait(max(0.1, self.timeout_s / 4)):
+            now = time.monotonic()
+            for rank, seen in list(self._seen.items()):
+                if now - seen > self.timeout_s and rank not in self._lost:
+                    self._lost.add(rank)
+                    log.warning("ps task %d: worker %d has not called for %.1f s (timeout_s=%g): lost; "
+                                "async training goes on without it", self.index, rank, now - seen, self.timeout_s)
+
+    # ------------------------------------------------------------------ dispatch
+    def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[bytes, Any], bytes]:
+        def handler(request: bytes, context: Any) -> bytes:
+            import grpc
+
+            rank = self.gate.worker(context)
+            self._seen[rank] = time.monotonic()
+            if rank in self._lost:
+                self._lost.discard(rank)
+                log.warning("ps task %d: worker %d is back", self.index, rank)
+            self.bytes_in[name] = self.bytes_in.get(name, 0) + len(request)
+            try:
+                header, arrays = wire.unpack(request)
+                reply = wire.pack(*fn(rank, header, arrays, context))
+            except wire.WireError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ConfigError: ps task {self.index}: {e}")
+            except HostReduceError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}")
+            except (KeyError, ValueError, TypeError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"ConfigError: ps task {self.index}: malformed {name} request ({type(e).__name__}: {e})")
+            self.bytes_out[name] = self.bytes_out.get(name, 0) + len(reply)
+            return reply
+        return handler
+
+    def _info(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        p = self.store.placement
+        return {"placement": p.to_json() if p else None, "optimizer": self.store.optimizer_config,
+                "step": self.store.step, "mode": self.mode}, []
+
+    def _register(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        placement = Placement.from_json(h["placement"])
+        if placement.num_ps != len(self.addresses):
+            raise ClusterError(f"registration placed variables over {placement.num_ps} ps; this job has "
+                               f"{len(self.addresses)}")
+        names = list(h["names"])
+        if len(names) != len(a):
+            raise TensorMismatchError(f"Register: {len(names)} names for {len(a)} arrays")
+        return {"new": self.store.register(placement, h["optimizer"], dict(zip(names, a)))}, []
+
+    def _pulldense(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        return {}, self.store.pull(list(h["names"]))
+
+    def _pullrows(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        return {}, [self.store.pull_rows(n, ids) for n, ids in zip(h["names"], a, strict=True)]
+
+    def _push(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        dense_names, row_names = list(h["dense"]), list(h["rows"])
+        if len(a) != len(dense_names) + 2 * len(row_names):
+            raise TensorMismatchError(f"Push: {len(a)} arrays for {len(dense_names)} dense and {len(row_names)} rows")
+        dense = dict(zip(dense_names, a[:len(dense_names)]))
+        rest = a[len(dense_names):]
+        rows = {n: (rest[2 * i], rest[2 * i + 1]) for i, n in enumerate(row_names)}
+        if self.mode == "async":
+            self._apply_step(None, (dense, rows))
+            return {}, []
+        step = h.get("step")
+        if not isinstance(step, int):
+            raise ConfigError(f"`step` must be an integer in sync mode. Received: step={step!r}")
+        left = ctx.time_remaining()
+        wait = self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
+        self.barrier.arrive(rank, step, (dense, rows), wait)
+        return {"step": self.store.step}, []
+
+    def _apply_step(self, step: int | None, part: Contribution) -> None:
+        dense, rows = part
+        for name, grad in dense.items():
+            self.store.apply_dense(name, grad)
+        for name, (ids, vals) in rows.items():
+            self.store.apply_rows(name, ids, vals)
+        if step is not None:
+            self.store.step = step
+
+    def _save(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        step = int(h["step"])
+        if self.mode == "sync" and step != self.store.step:
+            raise TensorMismatchError(f"ps task {self.index} is at step {self.store.step}; asked to save step {step}")
+        p = self.store.placement
+        if p is None:
+            raise ConfigError(f"ps task {self.index}: nothing to save, no variables are registered")
+        path = checkpoint.write_shard(h["dir"], step, self.index, p.num_ps, self.store.snapshot())
+        return {"path": path}, []
+
+    def _restore(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        index = checkpoint.read_index(h["dir"])
+        p = self.store.placement
+        if index is None or p is None:
+            raise ConfigError(f"ps task {self.index}: no ps checkpoint in {h['dir']!r}" if index is None
+                              else f"ps task {self.index}: register the variables before restoring")
+        slots = tuple(self.store.optimizer.slots)  # type: ignore[union-attr]
+        arrays = checkpoint.load_part(h["dir"], index, p, self.index, slots)
+        self.store.load(arrays, int(index["step"]))
+        return {"step": self.store.step}, []
+
+    def _shutdown(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        if rank != 0:
+            raise ConfigError(f"only the chief (worker 0) ends the job. Received: Shutdown from worker {rank}")
+        threading.Timer(0.2, self._done.set).start()  # after this reply is on its way
+        return {}, []

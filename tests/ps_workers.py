@@ -1,0 +1,65 @@
+"""Process bodies of tests/test_ps_cluster.py: ranks 0..M-1 are ps tasks, the rest workers."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+from hostreduce.errors import PeerLostError
+from hostreduce.ps.client import PSClient
+from hostreduce.ps.server import ParameterServer
+from ps_helpers import model_values, worker_grads
+
+
+def sync_training(rank, world, addrs, num_ps, secret, config, steps):
+    num_workers = world - num_ps
+    if rank < num_ps:
+        ParameterServer(rank, addrs, num_workers, secret, timeout_s=10.0).serve()
+        return "served"
+    w = rank - num_ps
+    c = PSClient(addrs, w, num_workers, secret, timeout_s=10.0, connect_timeout_s=30.0)
+    if w == 0:
+        c.register(model_values(), config, shard_bytes=20_000)
+    else:
+        c.wait_ready(30.0)
+    for step in range(1, steps + 1):
+        dense, rows = worker_grads(w, step)
+        c.pull_rows({"emb": rows["emb"][0]})
+        c.push(dense, rows, step=step)
+    out = c.pull()
+    # every worker has its final values; the chief ends the job once the others are done
+    if w == 0:
+        time.sleep(0.5)
+        c.shutdown()
+    return {n: v.tobytes() for n, v in out.items()}
+
+
+def killed_ps(rank, world, addrs, num_ps, secret, timeout_s):
+    num_workers = world - num_ps
+    if rank < num_ps:
+        server = ParameterServer(rank, addrs, num_workers, secret, mode="async", timeout_s=timeout_s)
+        if rank == 1:
+            threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        server.serve()
+        return "served"
+    w = rank - num_ps
+    c = PSClient(addrs, w, num_workers, secret, timeout_s=timeout_s, connect_timeout_s=30.0)
+    if w == 0:
+        c.register(model_values(), {"name": "sgd", "learning_rate": 0.1}, shard_bytes=20_000)
+    else:
+        c.wait_ready(30.0)
+    last_ok = time.monotonic()
+    try:
+        while True:
+            c.push(*worker_grads(w, 1))
+            c.pull()
+            last_ok = time.monotonic()
+    except PeerLostError as e:
+        out = {"error": str(e), "after_s": time.monotonic() - last_ok}
+    if w == 0:
+        time.sleep(0.5)          # the other worker meets the lost ps too
+        out["shutdown_lost"] = c.shutdown()
+    return out
