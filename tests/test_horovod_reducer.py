@@ -55,6 +55,15 @@ def test_horovod_reducer_matches_numpy(horovod_ready: None) -> None:
         assert f"OK rank {rank}/2" in out, out
 
 
+@pytest.mark.slow
+def test_horovod_collectives_at_4_ranks(horovod_ready: None) -> None:
+    """The full collective set on process sets at 4 ranks (2 ranks: in the test above)."""
+    code, out = run_mpi("horovod", 4, "collectives_worker.py", "horovod", timeout=400)
+    assert code == 0, out
+    for rank in range(4):
+        assert f"OK rank {rank}/4" in out, out
+
+
 def test_horovod_mpirun_is_not_the_wheel(horovod_ready: None) -> None:
     from hostreduce.reducers._mpi_select import horovod_libmpi, mpirun_for
 

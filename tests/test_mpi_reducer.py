@@ -24,6 +24,16 @@ def test_mpi_reducer_matches_numpy(np_: int) -> None:
         assert f"OK rank {rank}/{np_}" in out, out
 
 
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_mpi_collectives_at_4_ranks() -> None:
+    """Every collective, on groups (two disjoint at once, non-consecutive ranks), p2p,
+    mismatch, compression and an absent peer, at 4 ranks (2 ranks: in the test above)."""
+    code, out = run_mpi("mpi", 4, "collectives_worker.py", "mpi", timeout=180)
+    assert code == 0, out
+    for rank in range(4):
+        assert f"OK rank {rank}/4" in out, out
+
+
 def test_mpirun_selection() -> None:
     from hostreduce.errors import ConfigError
     from hostreduce.reducers._mpi_select import loaded_libmpi, mpirun_command, mpirun_for

@@ -80,8 +80,12 @@ def check_out(name: str, arr: np.ndarray, out: Any, contiguous: bool = False) ->
 
 
 def is_low_precision(dtype: np.dtype) -> bool:
-    """float16 and bfloat16: engines without a reduction for them reduce in float32 and
-    round back once, so every rank gets the same, once-rounded result."""
+    """float16 and bfloat16. Engines reduce them in 16 bits where they travel: each step
+    combines two 16-bit values in float32 and rounds back, so a sum or product over N
+    ranks rounds up to N - 1 times and min/max are exact; ``mean`` divides that sum in
+    float32 and rounds once more. An engine with no 16-bit reduction for a dtype
+    (Horovod's bfloat16) reduces in float32 and rounds once. Either way every rank gets
+    bitwise the same result."""
     return (dtype.kind == "f" and dtype.itemsize == 2) or dtype.name == "bfloat16"
 
 

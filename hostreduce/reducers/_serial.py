@@ -12,6 +12,15 @@ the collective when the deadline passes. Neither library can cancel an operation
 timeout, or an error the engine calls fatal, leaves the engine unusable: everything
 pending fails at once, and every later collective fails on submission, naming the
 first failure.
+
+A point-to-point transfer must not hold up what is queued behind it (two ranks that
+each send before they receive would wait on each other): its task starts the transfer
+and returns a :class:`Later`, which the worker drives between tasks and while idle, in
+the order the transfers were started, under the same deadline. While one is in flight,
+the worker waits for new work in timed waits of at most 1 ms on a ``queue.Queue``; not
+on a ``queue.SimpleQueue``, whose ``get`` with a timeout of microseconds can wait for
+the next ``put`` instead when the thread is descheduled inside it (CPython 3.11): the
+transfers then stopped being driven, and every rank waiting for one hung.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from typing import Any, Callable
 from ..errors import CollectiveTimeoutError, HostReduceError, ReducerClosedError
 from .base import Handle
 
-__all__ = ["Deadline", "SerialWorker"]
+__all__ = ["Deadline", "Later", "SerialWorker"]
 
 _log = logging.getLogger("hostreduce.reducers")
 
@@ -53,6 +62,21 @@ class Deadline:
         return CollectiveTimeoutError(self._describe(self.name, self.timeout_s))
 
 
+class Later:
+    """A collective that its task started and that finishes later (returned by the task).
+
+    ``test()`` advances it and says whether it has finished; it raises what the
+    collective fails with. ``result()`` is then the handle's result. Both run on the
+    worker thread only.
+    """
+
+    def test(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        return None
+
+
 class SerialWorker:
     """Runs ``task(deadline)`` of each submitted collective on one thread, in order.
 
@@ -73,11 +97,13 @@ class SerialWorker:
         self._engine, self._rank, self._timeout = engine, rank, float(timeout_s)
         self._translate = translate
         self._on_stop = on_stop
-        self._queue: "queue.SimpleQueue[tuple[Handle, Callable[[Deadline], Any], float] | None]" = \
-            queue.SimpleQueue()
+        # Not a SimpleQueue: its get() may overrun a timeout of microseconds indefinitely.
+        self._queue: "queue.Queue[tuple[Handle, Callable[[Deadline], Any], float] | None]" = queue.Queue()
         self._lock = threading.Lock()
         self._pending: set[Handle] = set()
         self._running: tuple[Handle, Deadline] | None = None
+        # Started collectives still in flight (worker thread only), oldest first.
+        self._later: list[tuple[Handle, Later, Deadline]] = []
         self._broken: BaseException | None = None
         self._closing = False
         self._stop = threading.Event()
@@ -151,9 +177,46 @@ class SerialWorker:
         for handle in victims:
             handle.set_error(self._unusable(handle.name))
 
+    def _next(self) -> "tuple[Handle, Callable[[Deadline], Any], float] | None":
+        """The next job, driving the collectives in flight while there is none."""
+        sleep = 1e-5
+        while True:
+            self._progress()
+            if not self._later:
+                return self._queue.get()
+            try:
+                return self._queue.get(timeout=sleep)
+            except queue.Empty:
+                sleep = min(sleep * 2, 1e-3)
+
+    def _progress(self) -> None:
+        """Advance every collective in flight; complete those that finished."""
+        still = []
+        for handle, later, deadline in self._later:
+            if handle.done():  # failed meanwhile (the engine broke, or closed)
+                continue
+            try:
+                if later.test():
+                    handle.set_result(later.result())
+                    continue
+                if deadline.passed():
+                    raise deadline.error()
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                self._fail(handle, exc)
+                continue
+            still.append((handle, later, deadline))
+        self._later = still
+
+    def _fail(self, handle: Handle, exc: BaseException) -> None:
+        error, fatal = self._translate(handle.name, exc)
+        if fatal or isinstance(exc, CollectiveTimeoutError):
+            self._break(error, handle)
+        else:
+            handle.set_error(error)
+
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next()
             if job is None:
                 break
             handle, task, timeout = job
@@ -170,16 +233,18 @@ class SerialWorker:
             try:
                 result = task(deadline)
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
-                error, fatal = self._translate(handle.name, exc)
-                if fatal or isinstance(exc, CollectiveTimeoutError):
-                    self._break(error, handle)
-                else:
-                    handle.set_error(error)
+                self._fail(handle, exc)
             else:
-                handle.set_result(result)
+                if isinstance(result, Later):
+                    self._later.append((handle, result, deadline))
+                else:
+                    handle.set_result(result)
             finally:
                 with self._lock:
                     self._running = None
+        while self._later and not self._stop.is_set():  # transfers started before close()
+            self._progress()
+            time.sleep(1e-4)
         while True:  # anything that raced with close()
             try:
                 job = self._queue.get_nowait()

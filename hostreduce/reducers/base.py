@@ -12,9 +12,10 @@ The base class owns the contract every engine shares, so that each engine is wri
 against checked arguments only: the checks of ``name``, dtype, ``op``, ``out=``,
 ``root``, splits, groups and ``timeout`` (``_args.py``), refusing work once closed, a
 0-d all-gather input taken as one row, wire compression (``compression.py``), and the
-meaning of ``mean`` (integers: floor division) and of float16 and bfloat16 in engines
-that reduce them in float32 (rounded back once). A job always ends: see ``_job_end.py``
-for how live reducers are closed at exit.
+meaning of ``mean`` (integers: floor division). float16 and bfloat16 are reduced in 16
+bits where they travel, each step in float32 rounded back to 16 bits (see
+``is_low_precision``). A job always ends: see ``_job_end.py`` for how live reducers are
+closed at exit.
 """
 from __future__ import annotations
 

@@ -1,28 +1,47 @@
 """The ``horovod`` reducer: collectives through Horovod's TensorFlow core ops.
 
-Uses only ``hvd.init``, ``rank``, ``size``, ``allreduce``, ``broadcast`` and
-``allgather`` from ``horovod.tensorflow`` (not its Keras bindings), with numpy arrays
-converted to CPU tensors and back. One background thread (``_serial.py``) runs the ops
-one at a time in submission order. In eager mode Horovod keys every op by its type rather than by the
+Uses ``hvd.init``, ``rank``, ``size``, ``allreduce``, ``reducescatter``, ``alltoall``,
+``broadcast``, ``allgather``, ``add_process_set`` and ``remove_process_set`` from
+``horovod.tensorflow`` (not its Keras bindings), with numpy arrays converted to CPU
+tensors and back. One background thread (``_serial.py``) runs the ops one at a time in
+submission order. In eager mode Horovod keys every op by its type rather than by the
 name given, so, as with plain MPI, collectives are matched by their position in the
 sequence: **every rank must submit the same collectives in the same order** (Horovod
 rejects a shape or dtype disagreement; two same-shaped tensors swapped go unnoticed).
 
-float16 and bfloat16 are reduced in float32 and rounded back once; broadcast and
-all-gather move their bits unchanged. ``mean`` of integers is a sum followed by floor
-division. A collective that does not finish within ``config.timeout_s`` fails with
-``CollectiveTimeoutError``; Horovod cannot cancel it, so the reducer is unusable
-afterwards. Closing the reducer does not shut Horovod down (it is process-wide).
+What Horovod lacks is built from what it has: ``reduce`` is an all-reduce that only the
+root keeps; ``reduce_scatter`` is ``hvd.reducescatter`` for sum and mean with Horovod's
+own near-equal split (the default ``counts``), and otherwise (min, max, prod, uneven
+counts, bfloat16: Horovod 0.28's reducescatter has none of them) an all-reduce of which
+each rank keeps its rows; the barrier is a one-element all-reduce. Horovod has no
+point-to-point op: ``send``/``recv`` use mpi4py on Horovod's own MPI library (on a
+duplicate of COMM_WORLD made when the reducer is created; see ``_mpi_p2p.py``).
+
+Process groups are Horovod process sets. ``hvd.add_process_set`` and
+``remove_process_set`` are collective over **every rank of the job**: on this engine
+every rank calls ``create_group`` and ``destroy_group``, members or not, in the same
+order. Process sets added after ``hvd.init`` need ``HOROVOD_DYNAMIC_PROCESS_SETS=1``,
+which the reducer sets (unless set) before it initializes Horovod.
+
+float16 travels and is reduced in 16 bits (Horovod's own float16 MPI operations add in
+float32 and round back at each step). Horovod has no bfloat16: bfloat16 is reduced in
+float32 and rounded back once, so ``compression="bf16"`` saves nothing on this engine;
+broadcast, all-gather and all-to-all move 2-byte floats' bits unchanged. ``mean`` is a
+sum divided by the group's size afterwards (integers: floor division). A collective
+that does not finish within ``config.timeout_s`` fails with ``CollectiveTimeoutError``;
+Horovod cannot cancel it, so the reducer is unusable afterwards. Closing the reducer
+does not shut Horovod down (it is process-wide).
 
 Horovod links against its own MPI library (see :mod:`._mpi_select`): start the job with
-``mpirun_for("horovod")``. This module never imports mpi4py; it points mpi4py at
-Horovod's library so that both share one ``libmpi`` if the process imports mpi4py later.
+``mpirun_for("horovod")``. mpi4py, imported for send/receive, shares that library.
 Horovod is not on PyPI in a form that builds against current TensorFlow; build it with
 ``scripts/build_horovod.sh``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import re
 import sys
 import threading
@@ -31,9 +50,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, HostReduceError
+from ._args import even_counts
 from ._job_end import add_job_abort, exit_at_once
+from ._mpi_collectives import finish_mean
+from ._mpi_p2p import PointToPoint
 from ._serial import SerialWorker
-from .base import Group, Handle, ReduceOp, Reducer, apply_mean, is_low_precision, register_reducer
+from .base import Group, Handle, ReduceOp, Reducer, register_reducer
 
 __all__ = ["HorovodReducer", "HorovodUnavailableError", "import_horovod"]
 
@@ -83,7 +105,8 @@ def import_horovod() -> Any:
 
 @register_reducer("horovod")
 class HorovodReducer(Reducer):
-    """All-reduce, broadcast and all-gather over Horovod's TensorFlow ops.
+    """Every collective of the contract over Horovod's TensorFlow ops (send/receive over
+    mpi4py on Horovod's MPI library).
 
     Args:
         cluster: ignored apart from a consistency warning; rank and size come from Horovod.
@@ -99,6 +122,8 @@ class HorovodReducer(Reducer):
         import tensorflow as tf
 
         self._tf = tf
+        if not hvd.is_initialized():  # groups are process sets, added after init
+            os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
         hvd.init()
         self._rank, self._size = int(hvd.rank()), int(hvd.size())
         if cluster is not None and (getattr(cluster, "size", self._size), getattr(cluster, "rank", self._rank)) != (
@@ -113,9 +138,28 @@ class HorovodReducer(Reducer):
         # Its ops block, so a watchdog enforces the deadline.
         self._worker = SerialWorker("horovod", self._rank, self._config.timeout_s,
                                     translate=lambda name, exc: (_translate(name, exc), False), watch=True)
+        self._p2p, self._no_p2p = self._mpi_point_to_point()
         if self._size > 1:
             add_job_abort(_abort_horovod_job)
         self._register_live()
+
+    @staticmethod
+    def _mpi_point_to_point() -> tuple[PointToPoint | None, str]:
+        """Send/receive: Horovod has none, so they go through mpi4py on Horovod's own MPI
+        library (``import_horovod`` pointed mpi4py at it), on a duplicate of COMM_WORLD
+        made here, where every rank passes. Horovod's background thread calls MPI while
+        this reducer's worker does, which needs ``MPI_THREAD_MULTIPLE`` (Horovod asks for
+        it unless ``HOROVOD_MPI_THREADS_DISABLE=1``). Else None and the reason."""
+        from ._mpi_select import loaded_libmpi
+
+        if not loaded_libmpi():
+            return None, "send/recv without an MPI library (this Horovod runs without MPI)"
+        from mpi4py import MPI
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return None, (f"send/recv when MPI runs at thread level {MPI.Query_thread()}, below "
+                          "MPI_THREAD_MULTIPLE (unset HOROVOD_MPI_THREADS_DISABLE)")
+        return PointToPoint(MPI.COMM_WORLD.Dup()), ""
 
     @property
     def rank(self) -> int:
@@ -125,51 +169,129 @@ class HorovodReducer(Reducer):
     def size(self) -> int:
         return self._size
 
+    # ------------------------------------------------------------------ groups
+    def _create_group(self, group: Group) -> Group:
+        """A Horovod process set (``hvd.add_process_set``): collective over every rank of
+        the job, so on this engine every rank calls ``create_group``, members or not."""
+        def add(_: Any) -> Any:
+            try:
+                return self._hvd.add_process_set(list(group.ranks))
+            except ValueError as exc:
+                raise ConfigError(f"Horovod refused process set {list(group.ranks)}: {exc}. Groups need dynamic "
+                                  "process sets: create the reducer before anything else calls hvd.init(), or set "
+                                  "HOROVOD_DYNAMIC_PROCESS_SETS=1 before it does") from exc
+
+        return dataclasses.replace(group, handle=self._worker.submit(f"create_group {group}", add).wait())
+
+    def _destroy_group(self, group: Group) -> None:
+        """``hvd.remove_process_set``: like creation, every rank of the job calls it."""
+        self._worker.submit(f"destroy_group {group}", lambda _: self._hvd.remove_process_set(group.handle)).wait()
+
+    def _set(self, group: Group) -> Any:
+        return self._hvd.global_process_set if group is self.world else group.handle
+
     # ------------------------------------------------------------------ collectives
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group) -> Handle:
-        self._world_only(group, "allreduce")
-        return self._worker.submit(name, lambda _: self._run_allreduce(name, arr, op, out))
+        return self._worker.submit(name, lambda _: self._run_allreduce(name, arr, op, out, group))
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
-        self._world_only(group, "broadcast")
+        # Horovod counts the root among all ranks, also in a process set.
         return self._worker.submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.broadcast(
-            t, root_rank=root, name=_op_name("bc", name))).reshape(arr.shape))
+            t, root_rank=group.ranks[root], name=_op_name("bc", name), process_set=self._set(group))
+        ).reshape(arr.shape))
 
     def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
-        self._world_only(group, "allgather")
         return self._worker.submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.allgather(
-            t, name=_op_name("ag", name))))
+            t, name=_op_name("ag", name), process_set=self._set(group))))
 
-    def _world_only(self, group: Group, what: str) -> None:
-        if group is not self.world:
-            raise self._missing(f"{what} on a process group")
+    def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
+                              group: Group) -> Handle:
+        return self._worker.submit(name, lambda _: self._run_reduce_scatter(name, arr, op, counts, group))
+
+    def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
+        """Horovod has no reduce: an all-reduce whose result only the root keeps."""
+        def run(_: Any) -> np.ndarray | None:
+            result = self._run_allreduce(name, arr, op, None, group)
+            return result if group.rank == root else None
+
+        return self._worker.submit(name, run)
+
+    def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
+        def run(_: Any) -> tuple[np.ndarray, np.ndarray]:
+            got: list[Any] = []
+
+            def fn(t: Any) -> Any:
+                out, received = self._hvd.alltoall(t, splits=self._tf.constant(splits, self._tf.int32),
+                                                   name=_op_name("a2a", name), process_set=self._set(group))
+                got.append(received.numpy())
+                return out
+
+            result = self._bits_op(arr, fn)
+            return result, np.asarray(got[0], np.int32)
+
+        return self._worker.submit(name, run)
+
+    def _send_async(self, name: str, arr: np.ndarray, dst: int, group: Group) -> Handle:
+        p2p = self._point_to_point()
+        return self._worker.submit(name, lambda _: p2p.send(name, arr, group.ranks[dst]))
+
+    def _recv_async(self, name: str, shape: tuple[int, ...], dtype: np.dtype, src: int, group: Group) -> Handle:
+        p2p = self._point_to_point()
+        return self._worker.submit(name, lambda _: p2p.recv(name, shape, dtype, group.ranks[src]))
+
+    def _point_to_point(self) -> PointToPoint:
+        if self._p2p is None:
+            raise self._missing(self._no_p2p)
+        return self._p2p
 
     def _barrier(self, timeout: float | None, group: Group) -> None:
-        self._world_only(group, "barrier")
         """A barrier built from a one-element all-reduce (Horovod's TF API has none)."""
         with self._lock:
             self._barriers += 1
             name = f"hostreduce.barrier.{self._barriers}"
         token = np.ones(1, np.int32)
-        self._worker.submit(name, lambda _: self._run_allreduce(name, token, ReduceOp.SUM, None), timeout).wait()
+        self._worker.submit(name, lambda _: self._run_allreduce(name, token, ReduceOp.SUM, None, group),
+                            timeout).wait()
 
     # ------------------------------------------------------------------ implementations
-    def _run_allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
+    def _reducible(self, arr: np.ndarray) -> np.ndarray:
+        """What Horovod reduces: float16 as it is, bfloat16 (which Horovod lacks) in float32."""
+        return arr.astype(np.float32) if arr.dtype.name == "bfloat16" else np.ascontiguousarray(arr)
+
+    def _finish(self, reduced: Any, arr: np.ndarray, shape: tuple[int, ...], op: ReduceOp, size: int,
+                out: np.ndarray | None) -> np.ndarray:
+        # A copy of our own (the tensor's buffer may be shared), where the mean is taken.
+        result = np.array(reduced.numpy().reshape(shape), copy=True)
+        finish_mean(result, op, size)
+        if out is None:
+            return result.astype(arr.dtype, copy=False)
+        np.copyto(out, result, casting="unsafe")
+        return out
+
+    def _run_allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                       group: Group) -> np.ndarray:
         tf, hvd = self._tf, self._hvd
-        # float16 / bfloat16: reduced in float32, rounded back once.
-        low_precision = is_low_precision(arr.dtype)
-        src = arr.astype(np.float32) if low_precision else np.ascontiguousarray(arr)
         hvd_op = self._ops[ReduceOp.SUM if op is ReduceOp.MEAN else op]
         with tf.device("/CPU:0"):
-            reduced = hvd.allreduce(tf.constant(src), op=hvd_op, name=_op_name("ar", name)).numpy()
-        # A copy of our own (the tensor's buffer may be shared), where the mean is taken.
-        reduced = np.array(reduced.reshape(arr.shape), copy=True)
-        apply_mean(reduced, op, self._size)
-        if out is None:
-            return reduced.astype(arr.dtype, copy=False) if low_precision else reduced
-        np.copyto(out, reduced, casting="unsafe")
-        return out
+            reduced = hvd.allreduce(tf.constant(self._reducible(arr)), op=hvd_op, name=_op_name("ar", name),
+                                    process_set=self._set(group))
+        return self._finish(reduced, arr, arr.shape, op, group.size, out)
+
+    def _run_reduce_scatter(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
+                            group: Group) -> np.ndarray:
+        """``hvd.reducescatter`` where Horovod has it: sum and mean (as a sum) with its own
+        near-equal split, for the dtypes it reduces; otherwise an all-reduce whose rows
+        each rank keeps (twice the traffic, same result)."""
+        tf, hvd = self._tf, self._hvd
+        if (op in (ReduceOp.SUM, ReduceOp.MEAN) and counts == even_counts(arr.shape[0], group.size)
+                and arr.dtype.name != "bfloat16"):
+            with tf.device("/CPU:0"):
+                reduced = hvd.reducescatter(tf.constant(np.ascontiguousarray(arr)), op=hvd.Sum,
+                                            name=_op_name("rs", name), process_set=self._set(group))
+            return self._finish(reduced, arr, (counts[group.rank],) + arr.shape[1:], op, group.size, None)
+        lo = sum(counts[:group.rank])
+        return self._run_allreduce(name, arr, op, None, group)[lo:lo + counts[group.rank]].copy()
 
     def _bits_op(self, arr: np.ndarray, fn: Callable[[Any], Any]) -> np.ndarray:
         """Run ``fn`` on a tensor of ``arr``'s bits (2-byte floats travel as int16)."""

@@ -1,21 +1,29 @@
 """The ``mpi`` reducer: collectives over mpi4py on a private duplicate of COMM_WORLD.
 
 One background thread (``_serial.py``) issues the collectives as MPI nonblocking
-operations, one at a time, in submission order, and drives each to completion with
-``MPI_Test`` under a deadline of ``config.timeout_s``. Like plain MPI, this engine matches collectives by
-their position in the sequence, not by name: **every rank must submit the same
-collectives in the same order**. It does not compare names, shapes or ops across ranks
-for all-reduce and broadcast (a disagreement shows up as an MPI error or as a timeout);
-all-gather exchanges shapes first and raises ``TensorMismatchError`` on every rank when
-the trailing dimensions or dtypes disagree.
+operations (``_mpi_collectives.py``), one at a time, in submission order, and drives
+each to completion with ``MPI_Test`` under a deadline of ``config.timeout_s``. Like
+plain MPI, this engine matches collectives by their position in the sequence, not by
+name: **every rank of a group must submit the group's collectives in the same order**.
+It does not compare names, shapes or ops across ranks for the reductions and broadcast
+(a disagreement shows up as an MPI error or as a timeout); all-gather and all-to-all
+exchange shapes first and raise ``TensorMismatchError`` on every rank when the trailing
+dimensions or dtypes disagree, and send/receive compare name, dtype and shape on both
+ends (``_mpi_p2p.py``), on a duplicate communicator of their own. Sends and receives
+are started in order on the same thread but finish in the background, so a rank may
+send before it receives.
+
+A process group is an MPI sub-communicator made with ``MPI_Comm_create_group``: only its
+members call ``create_group``. Collectives of disjoint groups run concurrently.
 
 A collective that times out raises ``CollectiveTimeoutError``; the MPI operation cannot
 be cancelled, so the reducer is unusable afterwards and later collectives fail at once.
 
-float16 and bfloat16 (MPI has no reduction for them) are reduced in float32 and rounded
-back once; the MPI library computes one result for all ranks, so results are bitwise
-identical everywhere. ``mean`` divides the sum by the world size (integers: floor
-division). Arrays passed in must not be modified until their handle completes.
+float16 and bfloat16 travel in 16 bits and are reduced by a user-defined MPI operation
+that combines two buffers in float32 and rounds back (``_mpi_ops16.py``), so wire
+compression halves the bytes sent; results are bitwise identical on every rank.
+``mean`` divides the sum by the group's size (integers: floor division). Arrays passed
+in must not be modified until their handle completes.
 
 Start the job with :func:`hostreduce.reducers._mpi_select.mpirun_for` ``("mpi")``. In a
 process that already holds an MPI library (Horovod's), mpi4py is pointed at that library.
@@ -26,34 +34,29 @@ of leaving the others blocked in a collective or in ``MPI_Finalize``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import ConfigError, HostReduceError, TensorMismatchError
 from ._job_end import add_job_abort, flush_std_streams
+from ._mpi_collectives import Collectives
+from ._mpi_p2p import PointToPoint
 from ._serial import Deadline, SerialWorker
-from .base import Group, Handle, ReduceOp, Reducer, apply_mean, is_low_precision, register_reducer
+from .base import Group, Handle, ReduceOp, Reducer, register_reducer
 
 __all__ = ["MPIReducer"]
 
 _log = logging.getLogger("hostreduce.reducers.mpi")
 
-# numpy dtype -> name of the MPI predefined datatype reduced natively.
-_NATIVE = {
-    np.dtype(np.float32): "FLOAT",
-    np.dtype(np.float64): "DOUBLE",
-    np.dtype(np.int32): "INT32_T",
-    np.dtype(np.int64): "INT64_T",
-}
-_OPS = {ReduceOp.SUM: "SUM", ReduceOp.MEAN: "SUM", ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX", ReduceOp.PROD: "PROD"}
-
 # Polling: spin (yielding the GIL) for this long, then sleep in growing steps up to the cap.
 _SPIN_S = 0.05
 _MAX_SLEEP_S = 0.001
+_ARRIVE_TAG = 1  # the members' rendezvous before MPI_Comm_create_group
 
 
 def _abort_mpi_job(reason: str) -> None:
@@ -71,7 +74,7 @@ def _abort_mpi_job(reason: str) -> None:
 
 @register_reducer("mpi")
 class MPIReducer(Reducer):
-    """All-reduce, broadcast and all-gather over MPI (mpi4py).
+    """Every collective of the contract, on the world and on process groups, over MPI (mpi4py).
 
     Args:
         cluster: ignored apart from a consistency warning; rank and size come from MPI.
@@ -110,7 +113,13 @@ class MPIReducer(Reducer):
         ):
             _log.warning("Cluster spec says rank %s of %s but MPI says rank %s of %s; using MPI's.",
                          getattr(cluster, "rank", None), getattr(cluster, "size", None), self._rank, self._size)
-        self._staging = np.empty(0, np.float32)
+        self._deadline: Deadline | None = None  # of the collective running on the serial thread
+        self._no_deadline = Deadline("", float("inf"), lambda name, t: "")
+        self._coll = Collectives(MPI, self._comm, self._waiter)
+        # Send/receive on a communicator of their own: Open MPI's MPI_Comm_create_group
+        # exchanges point-to-point messages with tag 0 on the parent (self._comm), which
+        # would match, or be matched by, a transfer in flight there.
+        self._p2p = PointToPoint(self._comm.Dup())
         self._worker = SerialWorker("mpi", self._rank, self._config.timeout_s, translate=self._translate,
                                     on_stop=self._free)
         if self._size > 1:
@@ -125,90 +134,108 @@ class MPIReducer(Reducer):
     def size(self) -> int:
         return self._size
 
+    # ------------------------------------------------------------------ groups
+    def _create_group(self, group: Group) -> Group:
+        """A sub-communicator of the members (``MPI_Comm_create_group``: collective over
+        the members only, so non-members need not call). Made on the serial thread, once
+        every member has arrived: ``MPI_Comm_create_group`` blocks with no timeout, so a
+        member that never comes fails the others' ``create_group`` at the deadline."""
+        if not group.is_member:
+            return group
+
+        def create(deadline: Deadline) -> Collectives:
+            self._arrive(group.ranks, deadline)
+            members = self._comm.Get_group().Incl(list(group.ranks))
+            try:
+                return Collectives(self._MPI, self._comm.Create_group(members), self._waiter)
+            finally:
+                members.Free()
+
+        coll = self._worker.submit(f"create_group {group}", create).wait()
+        return dataclasses.replace(group, handle=coll)
+
+    def _arrive(self, ranks: tuple[int, ...], deadline: Deadline) -> None:
+        """Return once every rank of ``ranks`` has called, or raise at ``deadline``: each
+        tells the first, which answers when all have (tag 1: ``MPI_Comm_create_group``
+        uses tag 0 on the same communicator). Receives left at the deadline are cancelled."""
+        comm, first = self._comm, ranks[0]
+        token = np.zeros(len(ranks), np.uint8)
+        if self._rank == first:
+            receives = [comm.Irecv(token[i:i + 1], r, _ARRIVE_TAG) for i, r in enumerate(ranks) if r != first]
+            sends: list[Any] = []
+        else:
+            receives = [comm.Irecv(token[1:2], first, _ARRIVE_TAG)]
+            sends = [comm.Isend(token[:1], first, _ARRIVE_TAG)]
+        try:
+            for request in receives:
+                self._wait(request, deadline)
+        except BaseException:
+            for request in receives:
+                if request:  # not yet completed (and freed)
+                    request.Cancel()
+                    request.Wait()
+            raise
+        if self._rank == first:
+            sends = [comm.Isend(token[:1], r, _ARRIVE_TAG) for r in ranks if r != first]
+        for request in sends:
+            self._wait(request, deadline)
+
+    def _destroy_group(self, group: Group) -> None:
+        if group.handle is not None:
+            comm = group.handle.comm
+            self._worker.submit(f"destroy_group {group}", lambda _: comm.Free()).wait()
+
+    def _on(self, group: Group) -> Collectives:
+        return self._coll if group is self.world else group.handle
+
     # ------------------------------------------------------------------ collectives
+    def _submit(self, name: str, group: Group, run: Callable[[Collectives], Any],
+                timeout: float | None = None) -> Handle:
+        coll = self._on(group)
+        return self._worker.submit(name, lambda deadline: self._under(deadline, lambda: run(coll)), timeout)
+
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group) -> Handle:
-        self._world_only(group, "allreduce")
-        return self._worker.submit(name, lambda deadline: self._run_allreduce(deadline, arr, op, out))
+        return self._submit(name, group, lambda c: c.allreduce(arr, op, out))
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
-        self._world_only(group, "broadcast")
-        return self._worker.submit(name, lambda deadline: self._run_broadcast(deadline, arr, root))
+        return self._submit(name, group, lambda c: c.broadcast(arr, root))
 
     def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
-        self._world_only(group, "allgather")
-        return self._worker.submit(name, lambda deadline: self._run_allgather(deadline, name, arr))
+        return self._submit(name, group, lambda c: c.allgather(name, arr))
 
-    def _world_only(self, group: Group, what: str) -> None:
-        if group is not self.world:
-            raise self._missing(f"{what} on a process group")
+    def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
+                              group: Group) -> Handle:
+        return self._submit(name, group, lambda c: c.reduce_scatter(arr, op, counts))
+
+    def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
+        return self._submit(name, group, lambda c: c.reduce(arr, op, root))
+
+    def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
+        return self._submit(name, group, lambda c: c.alltoall(name, arr, splits))
+
+    def _send_async(self, name: str, arr: np.ndarray, dst: int, group: Group) -> Handle:
+        return self._worker.submit(name, lambda _: self._p2p.send(name, arr, group.ranks[dst]))
+
+    def _recv_async(self, name: str, shape: tuple[int, ...], dtype: np.dtype, src: int, group: Group) -> Handle:
+        return self._worker.submit(name, lambda _: self._p2p.recv(name, shape, dtype, group.ranks[src]))
 
     def _barrier(self, timeout: float | None, group: Group) -> None:
-        self._world_only(group, "barrier")
-        self._worker.submit("barrier", lambda deadline: self._wait(self._comm.Ibarrier(), deadline), timeout).wait()
-
-    # ------------------------------------------------------------------ implementations
-    def _run_allreduce(self, deadline: Deadline, arr: np.ndarray, op: ReduceOp,
-                       out: np.ndarray | None) -> np.ndarray:
-        MPI = self._MPI
-        result = np.empty(arr.shape, arr.dtype) if out is None else out
-        mpi_op = getattr(MPI, _OPS[op])
-        native = None if is_low_precision(arr.dtype) else _NATIVE[arr.dtype]
-        if native is not None:
-            target = result if result.flags.c_contiguous else np.empty(arr.shape, arr.dtype)
-            src = np.ascontiguousarray(arr)
-            dtype = getattr(MPI, native)
-            if src is target:
-                self._wait(self._comm.Iallreduce(MPI.IN_PLACE, [target, dtype], mpi_op), deadline)
-            else:
-                if np.may_share_memory(src, target):
-                    src = src.copy()
-                self._wait(self._comm.Iallreduce([src, dtype], [target, dtype], mpi_op), deadline)
-            apply_mean(target, op, self._size)
-            if target is not result:
-                np.copyto(result, target)
-            return result
-        # float16 / bfloat16: MPI has no reduction for them; reduce in float32, round back once.
-        stage = self._stage(arr.size)
-        np.copyto(stage, arr.reshape(-1), casting="unsafe")
-        self._wait(self._comm.Iallreduce(MPI.IN_PLACE, [stage, MPI.FLOAT], mpi_op), deadline)
-        apply_mean(stage, op, self._size)
-        np.copyto(result, stage.reshape(arr.shape), casting="unsafe")
-        return result
-
-    def _run_broadcast(self, deadline: Deadline, arr: np.ndarray, root: int) -> np.ndarray:
-        result = np.array(arr, order="C", copy=True)
-        self._wait(self._comm.Ibcast([_bytes(result), self._MPI.BYTE], root=root), deadline)
-        return result
-
-    def _run_allgather(self, deadline: Deadline, name: str, arr: np.ndarray) -> np.ndarray:
-        MPI = self._MPI
-        # Phase 1: every rank's first dimension and a fingerprint of dtype and trailing dims.
-        mine = np.array([arr.shape[0], _fingerprint(arr)], np.int64)
-        meta = np.empty((self._size, 2), np.int64)
-        self._wait(self._comm.Iallgather([mine, MPI.INT64_T], [meta, MPI.INT64_T]), deadline)
-        if np.any(meta[:, 1] != meta[0, 1]):
-            bad = [r for r in range(self._size) if meta[r, 1] != meta[0, 1]]
-            raise TensorMismatchError(
-                f"Tensor {name!r}: all-gather needs the same dtype and trailing dimensions on every rank; "
-                f"ranks {bad} disagree with rank 0 (this rank: dtype={arr.dtype}, shape={arr.shape})"
-            )
-        # Phase 2: the data, as bytes.
-        src = np.ascontiguousarray(arr)
-        row_bytes = src.itemsize * int(np.prod(src.shape[1:], dtype=np.int64))
-        counts = meta[:, 0] * row_bytes
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        result = np.empty((int(meta[:, 0].sum()),) + src.shape[1:], src.dtype)
-        self._wait(self._comm.Iallgatherv([_bytes(src), MPI.BYTE],
-                                          [_bytes(result), (counts.tolist(), displs.tolist()), MPI.BYTE]), deadline)
-        return result
-
-    def _stage(self, n: int) -> np.ndarray:
-        if self._staging.size < n:
-            self._staging = np.empty(n, np.float32)
-        return self._staging[:n]
+        self._submit("barrier", group, lambda c: c.barrier(), timeout).wait()
 
     # ------------------------------------------------------------------ machinery
+    def _under(self, deadline: Deadline, run: Callable[[], Any]) -> Any:
+        """Run ``run`` with ``deadline`` bounding every request it waits for."""
+        self._deadline = deadline
+        try:
+            return run()
+        finally:
+            self._deadline = None
+
+    def _waiter(self, request: Any) -> None:
+        """Wait for ``request`` under the deadline of the collective running now."""
+        self._wait(request, self._deadline if self._deadline is not None else self._no_deadline)
+
     def _wait(self, request: Any, deadline: Deadline) -> None:
         """Drive ``request`` to completion; MPI makes progress only inside its calls."""
         start = time.monotonic()
@@ -232,6 +259,10 @@ class MPIReducer(Reducer):
     def _free(self, usable: bool) -> None:
         if usable:
             try:
+                for group in self._groups.values():
+                    if group.handle is not None:
+                        group.handle.comm.Free()
+                self._p2p.comm.Free()
                 self._comm.Free()
             except Exception:  # pragma: no cover - MPI already finalized
                 pass
@@ -242,19 +273,6 @@ class MPIReducer(Reducer):
     def _close_failed(self, reason: str) -> None:
         # The job is aborting: do not wait out a collective that peers will never join.
         self._worker.close(0.5)
-
-
-def _bytes(arr: np.ndarray) -> np.ndarray:
-    """A contiguous array as a flat uint8 view (for datatype-agnostic transfers)."""
-    return arr.reshape(-1).view(np.uint8)
-
-
-def _fingerprint(arr: np.ndarray) -> int:
-    """A 63-bit number identifying dtype and trailing dimensions."""
-    import zlib
-
-    key = f"{arr.dtype.str}|{arr.dtype.name}|{arr.shape[1:]}".encode()
-    return zlib.crc32(key) | (len(arr.shape) << 32)
 
 
 def _translate(MPI: Any, name: str, exc: Exception) -> HostReduceError:

@@ -5,8 +5,9 @@ Usage: mpirun -np N python reducer_check.py {mpi|horovod}
 Checks all-reduce (every dtype and op, ``out=``, in place, non-contiguous input, async
 handles waited out of order) against numpy, broadcast, all-gather with a different first
 dimension per rank, barrier, and that every result is bitwise identical on every rank.
-With several ranks it checks the collective timeout, and for ``mpi`` all-gather
-mismatch detection.
+With several ranks it checks the collective timeout, for ``mpi`` all-gather mismatch
+detection, and runs ``collectives_worker.run_all`` (the rest of the collective set, on
+groups too) in the same launch.
 Prints ``OK rank R/N`` and exits 0 on success; raises (non-zero exit) otherwise.
 """
 from __future__ import annotations
@@ -148,7 +149,10 @@ def main() -> None:
     assert digests.shape == (size, 4), digests.shape
     assert (digests == digests[0]).all(), f"results differ across ranks: {digests[:, 0]}"
 
-    if size > 1:
+    if size > 1:  # the full collective set, batched into this launch (starting ranks is slow)
+        from collectives_worker import run_all
+
+        run_all(r, reducer_name)
         check_timeout(reducer_name, rank)
 
     if reducer_name == "horovod":
