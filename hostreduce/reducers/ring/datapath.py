@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..base import ReduceOp
+from ..compression import from_wire, to_wire
 from . import algorithm, collectives, shm_scatter
 from ._buffers import ResultPool
 
@@ -40,15 +41,26 @@ class DataPath:
 
     def allreduce(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], op: ReduceOp, tag: int,
                   gathered: bool = False, parts: Sequence[Sequence[Any]] | None = None,
-                  group: Sequence[int] = ()) -> None:
-        """Reduce ``arrays`` (one fused bucket, same dtype) into ``outs``. ``gathered``:
-        every rank sent its data to rank 0 with the announcements; ``parts`` (rank 0
-        only) holds each tensor's contributions in rank order."""
+                  group: Sequence[int] = (), wire: np.dtype | None = None) -> None:
+        """Reduce ``arrays`` (one fused bucket) into ``outs``. ``gathered``: every rank
+        sent its data to rank 0 with the announcements; ``parts`` (rank 0 only) holds
+        each tensor's contributions in rank order. ``wire``: the 16-bit dtype the bucket
+        travels and is summed in (wire compression), else the arrays' own dtype. On the
+        ring the casts run chunk by chunk inside the pipeline, elsewhere before and after."""
         rank, size, link, shm = self._on(group)
-        dtype = arrays[0].dtype
+        dtype = arrays[0].dtype if wire is None else np.dtype(wire)
         flats_in = [a.reshape(-1) for a in arrays]
         n = sum(f.size for f in flats_in)
-        work = outs[0].reshape(-1) if len(arrays) == 1 else self._fusion_buffer(dtype, n)
+        in_place = len(arrays) == 1 and outs[0].dtype == dtype   # the ring runs on the output itself
+        work = outs[0].reshape(-1) if in_place else self._fusion_buffer(dtype, n)
+        if any(f.dtype != dtype for f in flats_in) and n and size > 1 and shm is None and not gathered:
+            casts = algorithm.Casts(flats_in, [o.reshape(-1) for o in outs], work)
+            if size == 2:
+                algorithm.pair_allreduce(work, rank, link, op, self._chunk_elems(dtype.itemsize), tag, casts)
+            else:
+                algorithm.ring_allreduce(work, rank, size, link, op, self._chunk_elems(dtype.itemsize), tag, casts)
+            return
+        flats_in = [f if f.dtype == dtype else to_wire(f, dtype) for f in flats_in]
         if gathered:
             self._gathered(flats_in, parts, work, op, tag)
         elif shm is not None and not shm.direct_available():
@@ -65,10 +77,10 @@ class DataPath:
                 algorithm.pair_allreduce(work, rank, link, op, self._chunk_elems(dtype.itemsize), tag)
             else:
                 algorithm.ring_allreduce(work, rank, size, link, op, self._chunk_elems(dtype.itemsize), tag)
-        if len(arrays) > 1:
+        if not in_place:
             off = 0
             for o in outs:
-                o.reshape(-1)[:] = work[off:off + o.size]
+                from_wire(work[off:off + o.size], o.dtype, o.reshape(-1))
                 off += o.size
 
     def _gathered(self, flats_in: list[np.ndarray], parts: Sequence[Sequence[Any]] | None, work: np.ndarray,
