@@ -73,6 +73,24 @@ def test_sums_give_numpy_and_ml_dtypes_bits(wire: np.dtype, ufunc) -> None:
             np.testing.assert_array_equal(dst.view(np.uint16), ref.view(np.uint16))
 
 
+@pytest.mark.parametrize("wire", [F16, BF16], ids=["fp16", "bf16"])
+def test_mean_division_gives_numpy_and_ml_dtypes_bits(wire: np.dtype) -> None:
+    from hostreduce.reducers._args import ReduceOp, apply_mean
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(wire)
+    for size in (2, 3, 4, 7, 257, 1000):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = np.divide(every, wire.type(size))
+            got = every.copy()
+            assert C.divide16(got, size)
+            grid = every.copy().reshape(256, 256)[:, ::2]  # not contiguous: numpy's own loop
+            apply_mean(grid, ReduceOp.MEAN, size)
+        np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+        np.testing.assert_array_equal(grid.view(np.uint16), ref.reshape(256, 256)[:, ::2].view(np.uint16))
+    assert not C.divide16(np.ones(3, np.float32), 2)
+
+
 def test_combine16_declines_what_it_does_not_speed_up() -> None:
     a = np.ones(4, F16)
     assert not C.combine16(a, a.copy(), np.maximum)
