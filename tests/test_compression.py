@@ -73,6 +73,24 @@ def test_sums_give_numpy_and_ml_dtypes_bits(wire: np.dtype, ufunc) -> None:
             np.testing.assert_array_equal(dst.view(np.uint16), ref.view(np.uint16))
 
 
+@pytest.mark.parametrize("wire", [F16, BF16], ids=["fp16", "bf16"])
+def test_mean_division_gives_numpy_and_ml_dtypes_bits(wire: np.dtype) -> None:
+    from hostreduce.reducers._args import ReduceOp, apply_mean
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(wire)
+    for size in (2, 3, 4, 7, 257, 1000):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = np.divide(every, wire.type(size))
+            got = every.copy()
+            assert C.divide16(got, size)
+            grid = every.copy().reshape(256, 256)[:, ::2]  # not contiguous: numpy's own loop
+            apply_mean(grid, ReduceOp.MEAN, size)
+        np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+        np.testing.assert_array_equal(grid.view(np.uint16), ref.reshape(256, 256)[:, ::2].view(np.uint16))
+    assert not C.divide16(np.ones(3, np.float32), 2)
+
+
 def test_combine16_declines_what_it_does_not_speed_up() -> None:
     a = np.ones(4, F16)
     assert not C.combine16(a, a.copy(), np.maximum)
@@ -112,6 +130,121 @@ def test_reducer_rounds_through_the_wire_dtype_and_honours_out(comp: str) -> Non
     with pytest.raises(ConfigError, match="`compression` must be one of"):
         r.allreduce("x", x, compression="int8")
     r.close()
+
+
+# ------------------------------------------------------------------ the ring casts in its pipeline
+
+
+def test_pipeline_casts_of_a_fused_bucket_equal_whole_array_casts() -> None:
+    """``Casts`` over arrays laid end to end (some empty), in chunks that straddle them."""
+    from hostreduce.reducers.ring.algorithm import Casts
+
+    rng = np.random.default_rng(3)
+    srcs = [rng.standard_normal(k).astype(dt) for k, dt in ((0, np.float32), (7, np.float32), (0, np.float64),
+                                                             (13, np.float64), (1, np.float32), (5, np.float32))]
+    dsts = [np.zeros_like(s) for s in srcs]
+    buf = np.zeros(26, BF16)
+    casts = Casts(srcs, dsts, buf)
+    for lo in range(0, 26, 4):
+        casts.fill(lo, min(lo + 4, 26))
+    np.testing.assert_array_equal(buf.view(np.uint16), np.concatenate([s.astype(BF16) for s in srcs]).view(np.uint16))
+    for lo, hi in ((0, 3), (3, 20), (20, 21), (21, 26)):
+        casts.drain(lo, hi)
+    for s, d in zip(srcs, dsts):
+        np.testing.assert_array_equal(d, s.astype(BF16).astype(s.dtype))
+
+
+def _ring_input(rank: int, dtype: np.dtype, n: int, salt: int) -> np.ndarray:
+    """Random values with ties, subnormals, infinities and NaN payloads among them."""
+    rng = np.random.default_rng(100 * salt + rank)
+    x = (rng.standard_normal(n) * 4.0 ** rng.integers(-9, 9, n)).astype(dtype)
+    if n > 8 and dtype == np.float32:
+        bits = _float32_bits()
+        k = n // 3
+        x[:k] = bits[rng.integers(0, bits.size, k)].view(np.float32)
+    return x
+
+
+def _ring_cases() -> list[tuple[str, str, np.dtype, str, int]]:
+    # Sizes: empty, carried to rank 0 with the announcements (small), and many 4 KiB
+    # chunks around the ring (odd counts: segments and chunks of unequal lengths).
+    return [(f"{comp}/{np.dtype(dt).name}/{op}/{n}", comp, np.dtype(dt), op, n)
+            for comp in ("fp16", "bf16") for dt in (np.float32, np.float64) for op in ("sum", "mean")
+            for n in (0, 5, 200_001)]
+
+
+def ring_compression_rank(rank: int, size: int, transport: str) -> dict:
+    """Each case compressed by the ring (which casts inside its pipeline), blocking, async
+    with out= in place, and fused with others; and as the cast-around path computes it:
+    the engine all-reducing the 16-bit array, cast back."""
+    import ring_workers as w
+
+    from hostreduce.reducers.compression import compressed
+
+    got: dict[str, bytes] = {}
+    with w.make_reducer(transport, chunk_bytes=4096, cycle_time_ms=20.0) as r:  # batched: fused
+        for i, (name, comp, dt, op, n) in enumerate(_ring_cases()):
+            x = _ring_input(rank, dt, n, i)
+            wire = C.wire_dtype(comp, dt)
+            got[name] = r.allreduce(name, x, op, compression=comp).tobytes()
+            y = x.copy()
+            assert r.allreduce_async(name, y, op, out=y, compression=comp).wait(60) is y
+            old = compressed(name, x, wire, None, lambda a: r._allreduce_async(name, a, r._check_allreduce(
+                name, a, op, None, None)[1], a, r.world)).wait(60)
+            got[name + "/inplace"], got[name + "/old"] = y.tobytes(), old.tobytes()
+        # Fused buckets: float32 and float64 cast to bf16 beside a tensor already in bf16,
+        # submitted while a large all-reduce keeps the ring busy (so they are fused), each
+        # too large to travel with its announcement.
+        xs = [_ring_input(rank, np.dtype(dt), k, 50 + k) for dt, k in ((np.float32, 140_000), (np.float64, 150_001),
+                                                                            (np.float32, 139_999))]
+        native = _ring_input(rank, np.dtype(np.float32), 160_000, 60).astype(BF16)
+        # The cast-around path's bits for them: each 16-bit tensor all-reduced alone (the
+        # ring lays a bucket out segment by segment, so a tensor in a bucket is summed as
+        # when it travels alone).
+        for j, a in enumerate(xs):
+            alone = r.allreduce(f"fused/{j}/alone", C.to_wire(a, BF16), "sum")
+            got[f"fused/{j}/old"] = C.from_wire(alone, a.dtype).tobytes()
+        got["fused/3/old"] = r.allreduce("fused/3/alone", native, "sum").tobytes()
+        fused = False
+        for _ in range(3):
+            before = r.stats()["allreduce_buckets"]
+            busy = r.allreduce_async("busy", np.ones(1 << 20, np.float32))
+            hs = [r.allreduce_async(f"fused/{j}", a, "sum", compression="bf16") for j, a in enumerate(xs)]
+            hs.append(r.allreduce_async("fused/native", native, "sum"))
+            busy.wait(60)
+            results = [h.wait(60).tobytes() for h in hs]
+            if r.stats()["allreduce_buckets"] - before == 2 and not fused:  # all four in one bucket
+                fused = True
+                got.update((f"fused/{j}", v) for j, v in enumerate(results))
+    return {"got": got, "fused": fused}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size,transport", [(2, "grpc"), (3, "grpc"), (2, "shm")])
+def test_ring_compression_is_bitwise_the_cast_around_result(size: int, transport: str) -> None:
+    """Every rank gets the same bits, which are those of casting the whole array before
+    and after the engine's 16-bit all-reduce; at N = 2 they are also numpy's and
+    ml_dtypes' (the sum of the two 16-bit inputs, rounded once)."""
+    from hostreduce.testing import run_ranks
+
+    outs = run_ranks(ring_compression_rank, size, args=(transport,), timeout=200)
+    got = [o["got"] for o in outs]
+    for key in got[0]:
+        assert len({g[key] for g in got}) == 1, f"{key} differs across ranks"
+    for i, (name, comp, dt, op, n) in enumerate(_ring_cases()):
+        assert got[0][name] == got[0][name + "/inplace"] == got[0][name + "/old"], name
+        if size == 2:
+            wire = C.wire_dtype(comp, dt)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                total = _ring_input(0, dt, n, i).astype(wire) + _ring_input(1, dt, n, i).astype(wire)
+                if op == "mean":
+                    total = total / wire.type(2)
+                expect = total.astype(dt)
+            assert got[0][name] == expect.tobytes(), name
+    assert outs[0]["fused"], "the tensors submitted together were never fused into one bucket"
+    for j in range(4):
+        assert got[0][f"fused/{j}"] == got[0][f"fused/{j}/old"], f"fused/{j}"
 
 
 # ------------------------------------------------------------------ end to end

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .compression import divide16
 
 __all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_array", "check_out", "check_counts", "even_counts",
            "is_low_precision", "apply_mean"]
@@ -94,7 +95,7 @@ def apply_mean(buf: np.ndarray, op: "ReduceOp", size: int) -> None:
     if op is ReduceOp.MEAN and size > 1 and buf.size:
         if buf.dtype.kind in "iu":
             np.floor_divide(buf, size, out=buf)
-        else:
+        elif not divide16(buf.reshape(-1) if buf.flags.c_contiguous else buf, size):  # 16 bits: vectorised
             np.divide(buf, buf.dtype.type(size), out=buf)
 
 

@@ -34,20 +34,8 @@ from .groups import Group, make_group
 from .handle import Handle
 from .registry import available_reducers, create_reducer, register_reducer
 
-__all__ = [
-    "ReduceOp",
-    "Handle",
-    "Group",
-    "Reducer",
-    "register_reducer",
-    "create_reducer",
-    "available_reducers",
-    "SUPPORTED_DTYPES",
-    "check_array",
-    "check_out",
-    "is_low_precision",
-    "apply_mean",
-]
+__all__ = ["ReduceOp", "Handle", "Group", "Reducer", "register_reducer", "create_reducer", "available_reducers",
+           "SUPPORTED_DTYPES", "check_array", "check_out", "is_low_precision", "apply_mean"]
 
 
 class Reducer(abc.ABC):
@@ -62,7 +50,8 @@ class Reducer(abc.ABC):
     ``_reduce_async``, ``_alltoall_async``, ``_send_async``, ``_recv_async``,
     ``_barrier`` and ``_close``; ``_create_group``/``_destroy_group`` where a group needs
     engine state. An engine with a faster path for a blocking all-reduce overrides
-    ``_allreduce``; one that can tell its peers why it stops overrides ``_close_failed``.
+    ``_allreduce``; one that can cast inside its pipeline, ``_allreduce_wire_async`` (wire
+    compression); one that can tell its peers why it stops overrides ``_close_failed``.
     """
 
     name: ClassVar[str] = ""
@@ -148,7 +137,7 @@ class Reducer(abc.ABC):
         arr, rop, out, grp = self._check_allreduce(name, array, op, out, group)
         wire = self._wire(arr, compression)
         if wire is not None:
-            return compressed(name, arr, wire, out, lambda a: self._allreduce_async(name, a, rop, a, grp))
+            return self._allreduce_wire_async(name, arr, rop, out, grp, wire)
         return self._allreduce_async(name, arr, rop, out, grp)
 
     def broadcast_async(self, name: str, array: np.ndarray, root: int = 0, group: Group | None = None) -> Handle:
@@ -310,6 +299,12 @@ class Reducer(abc.ABC):
 
     @abc.abstractmethod
     def _close(self) -> None: ...
+
+    def _allreduce_wire_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                              group: Group, wire: np.dtype) -> Handle:
+        """An all-reduce that travels and sums as ``wire``: cast before and after the engine's
+        (an engine that casts inside its pipeline overrides this)."""
+        return compressed(name, arr, wire, out, lambda a: self._allreduce_async(name, a, op, a, group))
 
     def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
                               group: Group) -> Handle:

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from .handle import Handle, LinkedHandle
 
 __all__ = ["COMPRESSIONS", "parse_compression", "wire_dtype", "compressed", "to_wire", "from_wire",
-           "combine16"]
+           "combine16", "divide16"]
 
 COMPRESSIONS = ("none", "fp16", "bf16")
 
@@ -117,10 +117,7 @@ def combine16(dst: np.ndarray, src: np.ndarray, ufunc: Any, src_first: bool = Fa
     float32 and rounded once, as numpy and ml_dtypes compute it (``src_first``: operands
     swapped). Returns False, doing nothing, for what it does not speed up (other
     dtypes and ufuncs, such as minimum and maximum, which are exact anyway)."""
-    if dst.dtype.itemsize != 2 or _SUMS.get(getattr(ufunc, "__name__", "")) is not ufunc:
-        return False
-    f16 = dst.dtype == _F16
-    if not (f16 or dst.dtype.name == "bfloat16") or dst.ndim != 1 or src.ndim != 1:
+    if _SUMS.get(getattr(ufunc, "__name__", "")) is not ufunc or not _is16(dst) or src.ndim != 1:
         return False
     n = dst.size
     a = np.empty(min(n, BLOCK), _F32)
@@ -136,11 +133,37 @@ def combine16(dst: np.ndarray, src: np.ndarray, ufunc: Any, src_first: bool = Fa
             ufunc(x, y, out=x)
         else:
             ufunc(y, x, out=x)
-        if f16:
-            _narrow_f16(x, dst[lo:hi])
-        else:
-            np.copyto(dst[lo:hi], x, casting="unsafe")
+        _narrow16(x, dst[lo:hi])
     return True
+
+
+def divide16(buf: np.ndarray, divisor: int) -> bool:
+    """``buf /= buf.dtype.type(divisor)`` in place for a 1-D float16/bfloat16 array (a
+    mean's division), computed in float32 and rounded once, as numpy and ml_dtypes
+    compute it (their loops go one element at a time). False, doing nothing, for
+    other arrays."""
+    if not _is16(buf):
+        return False
+    d = np.float32(buf.dtype.type(divisor))
+    x = np.empty(min(buf.size, BLOCK), _F32)
+    for lo in range(0, buf.size, BLOCK):
+        hi = min(lo + BLOCK, buf.size)
+        y = from_wire(buf[lo:hi], _F32, x[:hi - lo])
+        np.divide(y, d, out=y)
+        _narrow16(y, buf[lo:hi])
+    return True
+
+
+def _is16(arr: np.ndarray) -> bool:
+    return arr.ndim == 1 and (arr.dtype == _F16 or arr.dtype.name == "bfloat16")
+
+
+def _narrow16(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 ``x`` rounded to ``out``'s 16-bit dtype, into it."""
+    if out.dtype == _F16:
+        _narrow_f16(x, out)
+    else:
+        np.copyto(out, x, casting="unsafe")
 
 
 def _f16_table() -> np.ndarray:

@@ -15,24 +15,84 @@ With two ranks the ring degenerates to an exchange (``pair_allreduce``): each ra
 streams its whole buffer to the other and reduces what comes back. That moves the same
 bytes as reduce-scatter plus all-gather (S per rank each way) in one round instead of
 two dependent ones.
+
+Wire compression (``Casts``): the all-reduces can run on a 16-bit work buffer filled from
+the float inputs chunk by chunk, just before each chunk is first sent or reduced into,
+and cast back to the float outputs as each chunk becomes final, so that the casts of
+one chunk run while others are on the wire. The values are those of casting the whole
+array before and after: every cast and sum is elementwise.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import bisect
+import itertools
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
 from ..base import ReduceOp, apply_mean
-from ..compression import combine16
+from ..compression import combine16, from_wire, to_wire
 
-__all__ = ["Link", "segment_bounds", "reduce_into", "reduce_pair", "finalize", "ring_allreduce", "pair_allreduce",
-           "ring_allgather", "ring_broadcast"]
+__all__ = ["Link", "Casts", "segment_bounds", "reduce_into", "reduce_pair", "finalize", "ring_allreduce",
+           "pair_allreduce", "ring_allgather", "ring_broadcast"]
 
 
 class Link(Protocol):
     def send(self, tag: int, data: np.ndarray) -> None: ...
 
     def recv(self, tag: int) -> bytes | memoryview: ...
+
+
+class Casts:
+    """An all-reduce of the flat arrays ``srcs`` into ``dsts`` (an output may be its
+    input) that runs on ``buf``, a work buffer of the 16-bit wire dtype holding them end
+    to end or as ``layout`` says (a fused bucket): ``fill`` casts the input elements that go to ``buf[lo:hi]``
+    into it, ``drain`` casts ``buf[lo:hi]``, once final, into the outputs."""
+
+    def __init__(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], buf: np.ndarray,
+                 layout: Sequence[tuple[int, int, int, int]] | None = None) -> None:
+        self.srcs, self.dsts, self.buf = srcs, dsts, buf
+        if layout is None:  # end to end
+            starts = itertools.accumulate((s.size for s in srcs), initial=0)
+            layout = [(i, 0, s.size, at) for i, (s, at) in enumerate(zip(srcs, starts))]
+        # (array, lo, hi, at): the array's [lo, hi) is the buffer's [at, at + hi - lo).
+        self.layout = [p for p in layout if p[2] > p[1]]
+        self.starts = [p[3] for p in self.layout]
+
+    def _pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+        """(i, a, b, k) for each piece of an array that ``[lo, hi)`` overlaps: the array's
+        elements ``[a, a + k)`` are the buffer's ``[b, b + k)``."""
+        j = bisect.bisect_right(self.starts, lo) - 1
+        while lo < hi and j < len(self.layout):
+            i, a0, a1, at = self.layout[j]
+            end = min(hi, at + a1 - a0)
+            if end > lo:
+                yield i, a0 + lo - at, lo, end - lo
+            lo, j = max(lo, end), j + 1
+
+    def fill(self, lo: int, hi: int) -> None:
+        for i, a, b, k in self._pieces(lo, hi):
+            to_wire(self.srcs[i][a:a + k], self.buf.dtype, self.buf[b:b + k])
+
+    def drain(self, lo: int, hi: int) -> None:
+        for i, a, b, k in self._pieces(lo, hi):
+            from_wire(self.buf[b:b + k], self.dsts[i].dtype, self.dsts[i][a:a + k])
+
+
+class _InPlace(Casts):
+    """No casts: the all-reduce runs on its input and output buffer itself."""
+
+    def __init__(self) -> None:
+        pass
+
+    def fill(self, lo: int, hi: int) -> None:
+        pass
+
+    def drain(self, lo: int, hi: int) -> None:
+        pass
+
+
+_IN_PLACE = _InPlace()
 
 
 def segment_bounds(n: int, parts: int) -> list[int]:
@@ -83,13 +143,16 @@ def incoming(payload: bytes | memoryview, dtype: np.dtype, n: int) -> np.ndarray
 
 
 def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: ReduceOp,
-                   chunk_elems: int, tag: int = 0, bounds: Sequence[int] | None = None) -> None:
-    """All-reduce the flat array ``buf`` in place. Segment ``s`` (``bounds[s]`` to
-    ``bounds[s + 1]``; default near-equal) is summed starting from rank ``s``'s data."""
+                   chunk_elems: int, tag: int = 0, casts: Casts = _IN_PLACE,
+                   bounds: Sequence[int] | None = None) -> None:
+    """All-reduce the flat array ``buf`` in place (with ``casts``: from and to its arrays).
+    Segment ``s`` (``bounds[s]`` to ``bounds[s + 1]``; default near-equal) is summed
+    starting from rank ``s``'s data."""
     if size > 1 and buf.size:
         bounds = segment_bounds(buf.size, size) if bounds is None else bounds
         seg = lambda s: _chunks(bounds[s], bounds[s + 1], chunk_elems)  # noqa: E731
         for lo, hi in seg(rank):
+            casts.fill(lo, hi)
             link.send(tag, buf[lo:hi])
         # Reduce-scatter: at step k receive segment (rank-k-1), add, forward. The last
         # step completes segment (rank+1), which is forwarded as the all-gather's start.
@@ -97,13 +160,18 @@ def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: Reduce
             last = step == size - 2
             for lo, hi in seg((rank - step - 1) % size):
                 part = buf[lo:hi]
+                casts.fill(lo, hi)
                 reduce_into(part, incoming(link.recv(tag), buf.dtype, hi - lo), op)
                 if last:
                     finalize(part, op, size)
                 link.send(tag, part)
-        _gather_phase(buf, bounds, rank, size, link, (rank + 1) % size, chunk_elems, tag)
+                if last:
+                    casts.drain(lo, hi)
+        _gather_phase(buf, bounds, rank, size, link, (rank + 1) % size, chunk_elems, tag, casts)
     else:
+        casts.fill(0, buf.size)
         finalize(buf, op, size)
+        casts.drain(0, buf.size)
 
 
 # Chunks a rank of a pair sends ahead of the one it reduces: enough to keep the link
@@ -111,14 +179,17 @@ def ring_allreduce(buf: np.ndarray, rank: int, size: int, link: Link, op: Reduce
 PAIR_WINDOW = 16
 
 
-def pair_allreduce(buf: np.ndarray, rank: int, link: Link, op: ReduceOp, chunk_elems: int, tag: int = 0) -> None:
+def pair_allreduce(buf: np.ndarray, rank: int, link: Link, op: ReduceOp, chunk_elems: int, tag: int = 0,
+                   casts: Casts = _IN_PLACE) -> None:
     """All-reduce the flat array ``buf`` in place between two ranks (``link`` reaches the
-    other one both ways). Each chunk is sent before it is reduced into, and both ranks
-    apply ``op`` with rank 0's data as the first operand."""
+    other one both ways; with ``casts``: from and to its arrays). Each chunk is sent
+    before it is reduced into, and both ranks apply ``op`` with rank 0's data as the
+    first operand."""
     if not buf.size:
         return
     chunks = _chunks(0, buf.size, chunk_elems)
     for lo, hi in chunks[:PAIR_WINDOW]:
+        casts.fill(lo, hi)
         link.send(tag, buf[lo:hi])
     for i, (lo, hi) in enumerate(chunks):
         part = buf[lo:hi]
@@ -127,11 +198,13 @@ def pair_allreduce(buf: np.ndarray, rank: int, link: Link, op: ReduceOp, chunk_e
         finalize(part, op, 2)
         if i + PAIR_WINDOW < len(chunks):
             lo2, hi2 = chunks[i + PAIR_WINDOW]
+            casts.fill(lo2, hi2)
             link.send(tag, buf[lo2:hi2])
+        casts.drain(lo, hi)
 
 
 def _gather_phase(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, link: Link,
-                  owned: int, chunk_elems: int, tag: int) -> None:
+                  owned: int, chunk_elems: int, tag: int, casts: Casts = _IN_PLACE) -> None:
     # The owned segment has already been sent; receive the others in ring order and
     # forward each chunk unless the next rank is the one it came from.
     for step in range(size - 1):
@@ -140,6 +213,7 @@ def _gather_phase(buf: np.ndarray, bounds: Sequence[int], rank: int, size: int, 
             buf[lo:hi] = incoming(link.recv(tag), buf.dtype, hi - lo)
             if step < size - 2:
                 link.send(tag, buf[lo:hi])
+            casts.drain(lo, hi)
 
 
 def ring_allgather(buf: np.ndarray, counts: Sequence[int], rank: int, size: int, link: Link,

@@ -31,6 +31,7 @@ import numpy as np
 from ...config import Config
 from ...errors import PeerLostError
 from ..base import ReduceOp
+from ..compression import to_wire
 from .local_ctl import MAX_MESSAGE
 from .messages import Blocked, Entry, Plan, PlanItem, Ready, Step, encode, encode_split, steps
 from .negotiation import Coordinator
@@ -77,18 +78,21 @@ class Control:
 
     # ------------------------------------------------------------------ announcing
     def entry(self, name: str, kind: str, arr: np.ndarray, op: ReduceOp, root: int,
-              group: tuple[int, ...] | None = None, counts: list[int] | None = None) -> Entry:
+              group: tuple[int, ...] | None = None, counts: list[int] | None = None,
+              wire: np.dtype | None = None) -> Entry:
         """The announcement of a collective (``group``: its world ranks, None for the
-        world); a small all-reduce of the world over gRPC carries its data."""
-        entry: Entry = {"name": name, "kind": kind, "dtype": str(arr.dtype), "shape": list(arr.shape),
-                        "op": op.value, "root": root, "nbytes": int(arr.nbytes)}
+        world; ``wire``: the 16-bit dtype a compressed all-reduce travels as, which it
+        announces); a small all-reduce of the world over gRPC carries its data."""
+        dtype = arr.dtype if wire is None else wire
+        entry: Entry = {"name": name, "kind": kind, "dtype": str(dtype), "shape": list(arr.shape),
+                        "op": op.value, "root": root, "nbytes": int(arr.size * dtype.itemsize)}
         if group is not None:
             entry["group"] = list(group)
         if counts is not None:
             entry["counts"] = list(counts)
         if (kind == "allreduce" and group is None and self._paths.transport == "grpc"
-                and arr.nbytes * (self._size - 1) <= _GATHER_MAX_BYTES):
-            entry["_data"] = arr
+                and entry["nbytes"] * (self._size - 1) <= _GATHER_MAX_BYTES):
+            entry["_data"] = arr if wire is None else to_wire(arr, wire)
         return entry
 
     def announce(self, entry: Entry, alone: bool) -> None:

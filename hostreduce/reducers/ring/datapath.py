@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..base import ReduceOp
+from ..compression import from_wire, to_wire
 from . import algorithm, collectives, shm_scatter
 from ._buffers import ResultPool
 
@@ -40,22 +41,35 @@ class DataPath:
 
     def allreduce(self, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray], op: ReduceOp, tag: int,
                   gathered: bool = False, parts: Sequence[Sequence[Any]] | None = None,
-                  group: Sequence[int] = ()) -> None:
-        """Reduce ``arrays`` (one fused bucket, same dtype) into ``outs``. ``gathered``:
-        every rank sent its data to rank 0 with the announcements; ``parts`` (rank 0
-        only) holds each tensor's contributions in rank order."""
+                  group: Sequence[int] = (), wire: np.dtype | None = None) -> None:
+        """Reduce ``arrays`` (one fused bucket) into ``outs``. ``gathered``: every rank
+        sent its data to rank 0 with the announcements; ``parts`` (rank 0 only) holds
+        each tensor's contributions in rank order. ``wire``: the 16-bit dtype the bucket
+        travels and is summed in (wire compression), else the arrays' own dtype. On the
+        ring the casts run chunk by chunk inside the pipeline, elsewhere before and after."""
         rank, size, link, shm = self._on(group)
-        dtype = arrays[0].dtype
+        dtype = arrays[0].dtype if wire is None else np.dtype(wire)
         flats_in = [a.reshape(-1) for a in arrays]
         n = sum(f.size for f in flats_in)
-        work = outs[0].reshape(-1) if len(arrays) == 1 else self._fusion_buffer(dtype, n)
+        in_place = len(arrays) == 1 and outs[0].dtype == dtype   # the ring runs on the output itself
+        work = outs[0].reshape(-1) if in_place else self._fusion_buffer(dtype, n)
+        ring = shm is None and size > 2 and not gathered
+        pieces, bounds = _layout([f.size for f in flats_in], size if ring else 1)
+        segments = bounds if ring and len(arrays) > 1 else None
+        chunk = self._chunk_elems(dtype.itemsize)
+        if any(f.dtype != dtype for f in flats_in) and n and size > 1 and shm is None and not gathered:
+            casts = algorithm.Casts(flats_in, [o.reshape(-1) for o in outs], work, pieces)
+            if size == 2:
+                algorithm.pair_allreduce(work, rank, link, op, chunk, tag, casts)
+            else:
+                algorithm.ring_allreduce(work, rank, size, link, op, chunk, tag, casts, segments)
+            return
+        flats_in = [f if f.dtype == dtype else to_wire(f, dtype) for f in flats_in]
         if gathered:
             self._gathered(flats_in, parts, work, op, tag)
         elif shm is not None and not shm.direct_available():
             shm.allreduce(flats_in, dtype, n, op, work)
         else:
-            ring = shm is None and size > 2
-            pieces, bounds = _layout([f.size for f in flats_in], size if ring else 1)
             for t, lo, hi, at in pieces:
                 f = flats_in[t]
                 if work[at:].__array_interface__["data"][0] != f[lo:].__array_interface__["data"][0]:
@@ -63,18 +77,17 @@ class DataPath:
             if shm is not None:
                 shm.allreduce_direct(work, op)
             elif size == 2:
-                algorithm.pair_allreduce(work, rank, link, op, self._chunk_elems(dtype.itemsize), tag)
+                algorithm.pair_allreduce(work, rank, link, op, chunk, tag)
             else:
-                algorithm.ring_allreduce(work, rank, size, link, op, self._chunk_elems(dtype.itemsize), tag,
-                                         bounds if len(arrays) > 1 else None)
-            if len(arrays) > 1:
+                algorithm.ring_allreduce(work, rank, size, link, op, chunk, tag, bounds=segments)
+            if not in_place:
                 for t, lo, hi, at in pieces:
-                    outs[t].reshape(-1)[lo:hi] = work[at:at + hi - lo]
+                    from_wire(work[at:at + hi - lo], outs[t].dtype, outs[t].reshape(-1)[lo:hi])
             return
-        if len(arrays) > 1:
+        if not in_place:
             off = 0
             for o in outs:
-                o.reshape(-1)[:] = work[off:off + o.size]
+                from_wire(work[off:off + o.size], o.dtype, o.reshape(-1))
                 off += o.size
 
     def _gathered(self, flats_in: list[np.ndarray], parts: Sequence[Sequence[Any]] | None, work: np.ndarray,

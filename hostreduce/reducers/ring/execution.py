@@ -174,13 +174,14 @@ class Execution:
         stats = self._table.stats
         stats["allreduce_tensors"] += len(entries)
         stats["allreduce_buckets"] += 1
-        dtype = entries[0].array.dtype
-        outs = [p.out if p.out is not None else np.empty(p.array.shape, dtype) for p in entries]
+        outs = [p.out if p.out is not None else np.empty(p.array.shape, p.array.dtype) for p in entries]
         parts = None
         if step.gather and self._rank == 0:
             assert step.parts is not None
             parts = [step.parts[n] for n in step.names]
-        data.allreduce([p.array for p in entries], outs, entries[0].op, step.sid, step.gather, parts, step.group)
+        first = entries[0]   # the bucket's dtype, which every entry announced
+        wire = first.array.dtype if first.wire is None else first.wire
+        data.allreduce([p.array for p in entries], outs, first.op, step.sid, step.gather, parts, step.group, wire)
         for p, o in zip(entries, outs):
             p.handle.set_result(o)
 

@@ -54,7 +54,8 @@ class PendingHandle(Handle):
 
 @dataclass(slots=True)
 class Pending:
-    """A submitted collective: its arguments and its handle."""
+    """A submitted collective: its arguments and its handle (``wire``: the 16-bit dtype
+    a compressed all-reduce travels as)."""
 
     kind: str
     array: np.ndarray
@@ -62,6 +63,7 @@ class Pending:
     op: ReduceOp
     root: int
     handle: PendingHandle
+    wire: np.dtype | None = None
 
 
 class PendingTable:

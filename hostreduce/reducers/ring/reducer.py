@@ -146,12 +146,13 @@ class RingReducer(Reducer):
 
     # ------------------------------------------------------------------ collectives
     def _submit(self, name: str, kind: str, arr: np.ndarray, out: np.ndarray | None, op: ReduceOp,
-                root: int, group: Group | None = None, counts: list[int] | None = None) -> PendingHandle:
+                root: int, group: Group | None = None, counts: list[int] | None = None,
+                wire: np.dtype | None = None) -> PendingHandle:
         handle = PendingHandle(name, self._control.wait_blocked)
         ranks = None if group is None or group.size == self._size else group.ranks
-        entry = self._control.entry(name, kind, arr, op, root, ranks, counts)
+        entry = self._control.entry(name, kind, arr, op, root, ranks, counts, wire)
         with self._table.lock:
-            in_flight = self._table.admit(name, Pending(kind, arr, out, op, root, handle))
+            in_flight = self._table.admit(name, Pending(kind, arr, out, op, root, handle, wire))
             if self._lane is not None and self._lane.hold(entry):
                 return handle  # announced when the lane is released
         self._control.announce(entry, alone=in_flight == 1)
@@ -162,6 +163,11 @@ class RingReducer(Reducer):
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group | None = None) -> PendingHandle:
         return self._submit(name, "allreduce", arr, out, op, 0, group)
+
+    def _allreduce_wire_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
+                              group: Group, wire: np.dtype) -> Handle:
+        # Announced as ``wire``; the data path casts inside its pipeline (``datapath.py``).
+        return self._submit(name, "allreduce", arr, out, op, 0, group, wire=wire)
 
     def _allreduce(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                    group: Group | None = None) -> np.ndarray:
