@@ -176,9 +176,10 @@ def run_by_hand(script: str | Path, args: Sequence[str] = (), np: int = 2, timeo
 
 
 def run_launcher(script: str | Path, args: Sequence[str] = (), np: int = 2, timeout: float = 180.0,
-                 env: dict[str, str] | None = None, job: Job | None = None) -> Worker:
-    """``hostreduce run -np NP -- python script args``: one process, rank-prefixed output."""
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(np), "--", sys.executable, str(script), *args]
+                 env: dict[str, str] | None = None, job: Job | None = None, extra: Sequence[str] = ()) -> Worker:
+    """``hostreduce run -np NP [extra] -- python script args``: one process, rank-prefixed output."""
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(np), *extra, "--", sys.executable, str(script),
+           *args]
     return _run([(cmd, env or base_env())], timeout, job)[0]
 
 

@@ -124,3 +124,16 @@ def test_serve_from_env_raises_when_the_job_failed(monkeypatch):
     monkeypatch.setattr(serve_mod, "server_from_env", lambda **kw: Fake())
     with pytest.raises(JobFailedError, match="after a failure: X"):
         serve_mod.serve_from_env()
+
+
+def test_launcher_tasks_of_a_ps_job():
+    from hostreduce.launch._tasks import job_tasks
+
+    tasks = job_tasks("127.0.0.1", 2, 2, evaluator=True)
+    assert [label for label, _ in tasks] == ["0", "1", "ps0", "ps1", "evaluator"]
+    specs = [resolve_cluster(env={"TF_CONFIG": raw}, roles=True) for _, raw in tasks]
+    assert [(s.role, s.rank, s.is_chief) for s in specs] == [
+        ("worker", 0, True), ("worker", 1, False), ("ps", 0, False), ("ps", 0, False), ("evaluator", 0, False)]
+    assert len(set(specs[0].worker_addresses + specs[0].ps_addresses)) == 4 and specs[0].has_evaluator
+    assert [label for label, _ in job_tasks("127.0.0.1", 2)] == ["0", "1"]   # a ring job, as before
+    assert "ps" not in json.loads(job_tasks("127.0.0.1", 2)[0][1])["cluster"]

@@ -48,3 +48,16 @@ def test_ps_workers_and_evaluator_by_hand(tmp_path: Path) -> None:
     from hostreduce.ps import checkpoint
 
     assert checkpoint.read_index(str(model_dir / "ps"))["step"] == STEPS
+
+
+@pytest.mark.timeout(400)
+def test_ps_job_under_the_launcher(tmp_path: Path) -> None:
+    from script_jobs import run_launcher
+
+    cmd_args = ["--num-steps", "20", "--model-dir", str(tmp_path / "model")]
+    worker = run_launcher(SCRIPT, cmd_args, np=2, timeout=300, env=base_env(HOSTREDUCE_TIMEOUT_S="30"),
+                          extra=["--ps", "2", "--evaluator"])
+    assert worker.returncode == 0, worker.output
+    assert "[evaluator] RESULT evaluator:" in worker.output and "step=20" in worker.output, worker.output
+    for label in ("[ps0]", "[ps1]"):
+        assert f"{label} INFO:tensorflow:ps task {label[3]}: the chief ended the job" in worker.output, worker.output
