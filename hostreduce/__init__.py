@@ -23,7 +23,7 @@ _LAZY: dict[str, str] = {
         "Estimator", "EstimatorSpec", "EvalSpec", "InputContext", "ModeKeys", "RunConfig", "TrainSpec",
         "compute_gradients", "host_train_spec", "train_and_evaluate")},
     **{name: ".strategies" for name in (
-        "HorovodStrategy", "MultiWorkerStrategy", "SingleProcessStrategy", "Strategy")},
+        "HorovodStrategy", "MultiWorkerStrategy", "ParameterServerStrategy", "SingleProcessStrategy", "Strategy")},
     "Timeline": ".timeline",
 }
 

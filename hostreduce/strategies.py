@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Strategy", "SingleProcessStrategy", "MultiWorkerStrategy", "HorovodStrategy", "InputContext"]
+__all__ = ["Strategy", "SingleProcessStrategy", "MultiWorkerStrategy", "HorovodStrategy", "ParameterServerStrategy",
+           "InputContext"]
 
 logger = logging.getLogger("hostreduce.strategies")
 
@@ -211,6 +212,121 @@ class HorovodStrategy(Strategy):
         # Under mpirun the launcher's variables describe the job, even if a TF_CONFIG
         # was left in the environment.
         return resolve_cluster(env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"})
+
+
+class ParameterServerStrategy(Strategy):
+    """Data-parallel training with the variables on parameter servers: the ``ps`` tasks
+    of ``TF_CONFIG``, which run the same script.
+
+    Each step every worker pulls the variables it reads (an embedding table's rows of
+    its batch only), computes the gradients on its device and pushes them (an
+    embedding's as rows); the ps apply them with host kernels, optimizer slots beside
+    their variable. On a ``ps`` task the Estimator's ``train``/``train_and_evaluate``
+    serve until the chief ends the job, then end the process with status 0; on the
+    ``evaluator`` task ``train_and_evaluate`` evaluates each new checkpoint.
+
+    Args:
+        sync: True: each step the ps average the workers' gradients and apply once (the
+            result of all-reduce training on the global batch); False: each worker's
+            gradients are applied as they arrive.
+        shard_bytes: variables of at least this many bytes are split by rows over every
+            ps; smaller ones are placed whole, balanced by bytes.
+        timeout_s: the longest wait for a ps, or (sync) for another worker's gradients
+            of a step (default ``HOSTREDUCE_TIMEOUT_S``).
+        sparse: how momentum and Adam update an embedding's rows: ``"keras"`` (exactly
+            as Keras on the dense gradient) or ``"lazy"`` (only the rows in the batch).
+        cluster_resolver: as for :class:`MultiWorkerStrategy`.
+        config: a ``hostreduce.config.Config`` (secret, timeouts; the workers' ring).
+
+    The training tasks also form the gRPC ring for the Estimator's small collectives
+    (the start step, when the data ends, logging, evaluation); gradients and variables
+    travel only between workers and ps.
+    """
+
+    reducer_name = "ring"
+    parameter_servers = True
+
+    def __init__(self, sync: bool = True, shard_bytes: int | None = None, timeout_s: float | None = None,
+                 sparse: str = "keras", cluster_resolver: Any = None, config: Any = None) -> None:
+        from .ps.placement import DEFAULT_SHARD_BYTES
+
+        super().__init__(variables_on_host=True, config=config)
+        self.sync = _check_bool("sync", sync)
+        shard_bytes = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
+        if not isinstance(shard_bytes, int) or isinstance(shard_bytes, bool) or shard_bytes < 1:
+            raise ConfigError(f"`shard_bytes` must be an integer >= 1. Received: shard_bytes={shard_bytes!r}")
+        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                                      or not timeout_s > 0):
+            raise ConfigError(f"`timeout_s` must be a number > 0 or None. Received: timeout_s={timeout_s!r}")
+        if sparse not in ("keras", "lazy"):
+            raise ConfigError(f"`sparse` must be 'keras' or 'lazy'. Received: sparse={sparse!r}")
+        self.shard_bytes, self.sparse, self._timeout_s = shard_bytes, sparse, timeout_s
+        self.cluster_resolver = cluster_resolver
+        self._job: Any = None
+
+    def _resolve_cluster(self) -> Any:
+        from .cluster import cluster_from_resolver, resolve_cluster
+        from .errors import ClusterError
+
+        spec = (cluster_from_resolver(self.cluster_resolver, roles=True) if self.cluster_resolver is not None
+                else resolve_cluster(roles=True))
+        if not spec.ps_addresses:
+            raise ClusterError("ParameterServerStrategy needs `ps` tasks in the cluster (TF_CONFIG's "
+                               f"cluster.ps). Received: a cluster without ps (source {spec.source!r}, "
+                               f"task {spec.task_type!r} {spec.task_index})")
+        return spec
+
+    def _engine_config(self) -> Any:
+        from .config import Config
+
+        return self._config if self._config is not None else Config.from_env()
+
+    @property
+    def role(self) -> str:
+        """``"worker"`` (the chief too), ``"ps"`` or ``"evaluator"``."""
+        return self.cluster.role
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster.is_chief
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self._timeout_s or self._engine_config().timeout_s)
+
+    @property
+    def job(self) -> Any:
+        """This training task's :class:`hostreduce.ps.job.PSJob`, connected on first use."""
+        if self._job is None:
+            from .errors import ClusterError, ConfigError as _ConfigError
+            from .ps.job import PSJob
+
+            if self.role != "worker":
+                raise ClusterError(f"only training tasks talk to the ps as workers. Received: task.type="
+                                   f"{self.cluster.task_type!r}")
+            cfg = self._engine_config()
+            if not cfg.secret:
+                raise _ConfigError("ParameterServerStrategy needs the job's shared secret: set HOSTREDUCE_SECRET "
+                                   "to the same value in every task. Received: secret=None")
+            spec = self.cluster
+            self._job = PSJob(spec.ps_addresses, spec.rank, spec.size, cfg.secret, timeout_s=self.timeout_s,
+                              connect_timeout_s=cfg.connect_timeout_s)
+        return self._job
+
+    def serve(self) -> None:
+        """On a ``ps`` task: serve until the chief ends the job (``JobFailedError`` if it failed)."""
+        from .ps.serve import serve_from_env
+
+        serve_from_env(mode="sync" if self.sync else "async", reduce="mean", timeout_s=self.timeout_s,
+                       cluster=self.cluster, config=self._engine_config())
+
+    def close(self) -> None:
+        """Release the ring; the ps connection stays until the process exits (the chief
+        ends the job then)."""
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"ParameterServerStrategy(sync={self.sync}, shard_bytes={self.shard_bytes})"
 
 
 def _reducer_from_env() -> str | None:

@@ -176,9 +176,10 @@ def run_by_hand(script: str | Path, args: Sequence[str] = (), np: int = 2, timeo
 
 
 def run_launcher(script: str | Path, args: Sequence[str] = (), np: int = 2, timeout: float = 180.0,
-                 env: dict[str, str] | None = None, job: Job | None = None) -> Worker:
-    """``hostreduce run -np NP -- python script args``: one process, rank-prefixed output."""
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(np), "--", sys.executable, str(script), *args]
+                 env: dict[str, str] | None = None, job: Job | None = None, extra: Sequence[str] = ()) -> Worker:
+    """``hostreduce run -np NP [extra] -- python script args``: one process, rank-prefixed output."""
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", str(np), *extra, "--", sys.executable, str(script),
+           *args]
     return _run([(cmd, env or base_env())], timeout, job)[0]
 
 
@@ -191,3 +192,38 @@ def run_mpirun(script: str | Path, args: Sequence[str] = (), np: int = 2, timeou
     env.pop("MPI4PY_LIBMPI", None)
     cmd = mpirun_command(reducer, np, [sys.executable, str(script), *args])
     return _run([(cmd, env)], timeout, job)[0]
+
+
+def ps_cluster(ps: int, workers: int, evaluator: bool = False) -> dict[str, list[str]]:
+    """A ``TF_CONFIG`` cluster of ``ps`` parameter servers, a chief and ``workers - 1``
+    workers (and an evaluator) on free loopback ports."""
+    from hostreduce.launch.runner import free_ports
+
+    ports = iter(free_ports(ps + workers + int(evaluator)))
+    cluster = {"chief": [f"127.0.0.1:{next(ports)}"],
+               "worker": [f"127.0.0.1:{next(ports)}" for _ in range(workers - 1)],
+               "ps": [f"127.0.0.1:{next(ports)}" for _ in range(ps)]}
+    if evaluator:
+        cluster["evaluator"] = [f"127.0.0.1:{next(ports)}"]
+    return {k: v for k, v in cluster.items() if v}
+
+
+def run_ps_by_hand(script: str | Path, args: Sequence[str] = (), ps: int = 2, workers: int = 2,
+                   evaluator: bool = False, timeout: float = 180.0, env: dict[str, str] | None = None,
+                   job: Job | None = None) -> dict[str, Worker]:
+    """Start every task of a parameter-server job as its own ``python script`` process
+    with its ``TF_CONFIG`` and a shared ``HOSTREDUCE_SECRET``, as a user does (one
+    terminal per task); the processes by task (``chief``, ``worker1``, ``ps0``, ...,
+    ``evaluator``)."""
+    import json
+
+    cluster = ps_cluster(ps, workers, evaluator)
+    secret = secrets.token_hex(16)
+    tasks = [(t, i) for t in ("ps", "chief", "worker", "evaluator") for i in range(len(cluster.get(t, [])))]
+    starts = [([sys.executable, str(script), *args],
+               dict(env or base_env(), HOSTREDUCE_SECRET=secret,
+                    TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})))
+              for t, i in tasks]
+    done = _run(starts, timeout, job)
+    names = [t if t in ("chief", "evaluator") else f"{t}{i + (t == 'worker')}" for t, i in tasks]
+    return dict(zip(names, done))

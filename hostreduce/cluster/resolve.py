@@ -81,6 +81,7 @@ def resolve_cluster(
     addresses: Sequence[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
+    roles: bool = False,
 ) -> ClusterSpec:
     """Resolve this process's :class:`ClusterSpec`.
 
@@ -92,6 +93,8 @@ def resolve_cluster(
             get consecutive local ranks in rank order.
         env: environment to read ``TF_CONFIG`` and launcher variables from; defaults to
             ``os.environ``.
+        roles: accept ``ps`` and ``evaluator`` tasks in ``TF_CONFIG`` (parameter-server
+            mode); otherwise such a task is an error, since it cannot join the ring.
 
     When any of ``rank``, ``size`` or ``addresses`` is given, only the arguments are
     used. Otherwise a non-empty ``TF_CONFIG`` is used, then the variables of an Open MPI,
@@ -105,7 +108,7 @@ def resolve_cluster(
     env = os.environ if env is None else env
     raw = env.get(TF_CONFIG)
     if raw is not None and raw.strip():
-        return parse_tf_config(raw)
+        return parse_tf_config(raw, roles=roles)
     spec = spec_from_mpi_env(env)
     if spec is not None:
         return spec

@@ -19,10 +19,16 @@ class ClusterSpec:
         local_size: number of workers on this host.
         addresses: ``host:port`` of every rank, indexed by rank; empty when the job was
             started by mpirun (the MPI runtime connects the ranks itself).
-        task_type: ``chief`` or ``worker`` (``TF_CONFIG``); ``worker`` otherwise.
+        task_type: ``chief`` or ``worker`` (``TF_CONFIG``); ``worker`` otherwise. With
+            roles (parameter-server mode) also ``ps`` or ``evaluator``: such a task is
+            alone in its collective group (rank 0 of 1, no addresses).
         task_index: the index within ``task_type``.
         source: where the spec came from: ``arguments``, ``TF_CONFIG``, ``mpirun`` or
             ``single``.
+        ps_addresses: ``host:port`` of every ``ps`` task of the cluster (``TF_CONFIG``).
+        worker_addresses: ``host:port`` of every training task (the chief, then the
+            workers), whatever this task's type.
+        has_evaluator: whether the cluster lists an ``evaluator`` task.
     """
 
     rank: int = 0
@@ -33,6 +39,9 @@ class ClusterSpec:
     task_type: str = "worker"
     task_index: int = 0
     source: str = "single"
+    ps_addresses: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    worker_addresses: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    has_evaluator: bool = dataclasses.field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("rank", "size", "local_rank", "local_size", "task_index"):
@@ -53,8 +62,13 @@ class ClusterSpec:
             )
 
     @property
+    def role(self) -> str:
+        """``ps``, ``evaluator``, or ``worker`` for every training task (the chief too)."""
+        return self.task_type if self.task_type in ("ps", "evaluator") else "worker"
+
+    @property
     def is_chief(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and self.role == "worker"
 
     @property
     def address(self) -> str | None:

@@ -5,7 +5,9 @@ addresses. This is the one place that knows the ``TF_CONFIG`` format.
 The all-reduce ring is the ``chief`` (if any) followed by the ``worker`` tasks, so a
 chief is rank 0 and worker ``i`` is rank ``i + 1`` when a chief is present, ``i``
 otherwise, exactly as TensorFlow's multi-worker strategies number them. ``ps`` and
-``evaluator`` tasks may appear in the cluster but never join the ring.
+``evaluator`` tasks may appear in the cluster but never join the ring: building a ring
+on one is an error, while ``roles=True`` (parameter-server mode) describes them too, each
+alone in its group, with the ps and training tasks' addresses beside.
 """
 from __future__ import annotations
 
@@ -216,9 +218,10 @@ def _job_addresses(job: Any, field: str) -> list[str]:
 
 
 def spec_from_cluster(
-    cluster: Any, task_type: Any, task_index: Any, *, fields: _Fields = _TF_CONFIG_FIELDS
+    cluster: Any, task_type: Any, task_index: Any, *, fields: _Fields = _TF_CONFIG_FIELDS, roles: bool = False
 ) -> ClusterSpec:
-    """Build the spec of task ``(task_type, task_index)`` in a ``{job: [host:port]}`` cluster."""
+    """Build the spec of task ``(task_type, task_index)`` in a ``{job: [host:port]}``
+    cluster; ``roles``: a ``ps`` or ``evaluator`` task is allowed (parameter-server mode)."""
     c = fields.cluster
     if not isinstance(cluster, Mapping):
         raise ClusterError(
@@ -249,7 +252,7 @@ def spec_from_cluster(
         )
     if task_type not in TASK_TYPES:
         raise _unknown_task_type(f"`{tt}`", f"{tt}={task_type!r}", task_type)
-    if task_type not in RING_TASK_TYPES:
+    if task_type not in RING_TASK_TYPES and not roles:
         raise ClusterError(
             f"`{tt}` must be 'chief' or 'worker' to join the all-reduce ring; 'ps' and "
             f"'evaluator' tasks do not take part in all-reduce, so do not build a reducer "
@@ -272,6 +275,10 @@ def spec_from_cluster(
         )
 
     ring = tuple(chief + workers)
+    extra = {"ps_addresses": tuple(jobs.get("ps", ())), "worker_addresses": ring,
+             "has_evaluator": bool(jobs.get("evaluator"))}
+    if task_type not in RING_TASK_TYPES:  # a ps or the evaluator: alone in its group
+        return ClusterSpec(task_type=task_type, task_index=task_index, source=TF_CONFIG, **extra)
     rank = 0 if task_type == "chief" else task_index + len(chief)
     local_rank, local_size = local_placement(ring, rank)
     return ClusterSpec(
@@ -283,11 +290,13 @@ def spec_from_cluster(
         task_type=task_type,
         task_index=task_index,
         source=TF_CONFIG,
+        **extra,
     )
 
 
-def parse_tf_config(raw: str) -> ClusterSpec:
-    """Parse the JSON text of ``TF_CONFIG`` into a spec."""
+def parse_tf_config(raw: str, *, roles: bool = False) -> ClusterSpec:
+    """Parse the JSON text of ``TF_CONFIG`` into a spec (``roles``: as for
+    :func:`spec_from_cluster`)."""
     try:
         config = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -322,7 +331,7 @@ def parse_tf_config(raw: str) -> ClusterSpec:
             raise ClusterError(
                 f"`task.{key}` is required in {TF_CONFIG}. Received: task={_show(task)}"
             )
-    return spec_from_cluster(config["cluster"], task["type"], task["index"])
+    return spec_from_cluster(config["cluster"], task["type"], task["index"], roles=roles)
 
 
 def format_tf_config(addresses: Sequence[str], index: int, task_type: str = "worker") -> str:
@@ -336,7 +345,7 @@ def format_tf_config(addresses: Sequence[str], index: int, task_type: str = "wor
                        "task": {"type": task_type, "index": index}})
 
 
-def cluster_from_resolver(resolver: Any) -> ClusterSpec:
+def cluster_from_resolver(resolver: Any, *, roles: bool = False) -> ClusterSpec:
     """Build a spec from a TensorFlow cluster resolver such as ``TFConfigClusterResolver``.
 
     Any object with ``cluster_spec().as_dict()``, ``task_type`` and ``task_id`` works;
@@ -361,4 +370,4 @@ def cluster_from_resolver(resolver: Any) -> ClusterSpec:
             task_id = operator.index(task_id)
         except TypeError:
             pass
-    return spec_from_cluster(cluster, task_type, task_id, fields=_RESOLVER_FIELDS)
+    return spec_from_cluster(cluster, task_type, task_id, fields=_RESOLVER_FIELDS, roles=roles)

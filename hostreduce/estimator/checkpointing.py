@@ -36,6 +36,7 @@ class Checkpointing:
         self._save_steps, self._save_secs = save_steps, save_secs
         self.chief_saves = False  # whether the chief writes checkpoints in this train() call
         self.iterator: Any = None  # train()'s input while it runs: checkpoints save its position
+        self.ps: Any = None  # with parameter servers: saves their shards around the chief's checkpoint
         self._last_save = time.monotonic()
         self._input_warned = False
 
@@ -93,7 +94,11 @@ class Checkpointing:
             return
         meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
                 ("ended" if input_ended else "not checkpointable")}
+        if self.ps is not None:
+            self.ps.before_save(step)
         path = self.files.save(step, variables(), meta, inputs)  # type: ignore[union-attr]
+        if self.ps is not None:
+            self.ps.after_save(step)
         progress("Saved checkpoint for step %d to %s", step, path)
 
     def _gather_inputs(self, input_ended: bool) -> dict[int, dict[str, bytes]] | None:

@@ -19,6 +19,8 @@ from .inputs import batch_size, call_input_fn, check_model_fn, split_element, wi
 from .mode_keys import ModeKeys
 from .progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
+from .ps_program import PSTrainProgram
+from .roles import check_can_train
 from .run_config import RunConfig, set_random_seed
 from .summaries import SummaryWriter
 
@@ -123,7 +125,9 @@ class Estimator:
         if self.config.tf_random_seed is not None and not self._seeded:
             set_random_seed(self.config.tf_random_seed)
             self._seeded = True
-        if mode == ModeKeys.TRAIN:
+        if mode == ModeKeys.TRAIN and getattr(self._strategy, "parameter_servers", False):
+            program = PSTrainProgram(*args, strategy=self._strategy)
+        elif mode == ModeKeys.TRAIN:
             program = TrainProgram(*args, strategy=self._strategy, fused_apply=self.config.fused_apply,
                                    stream_gradients=self.config.stream_gradients, host_apply=self.config.host_apply)
         elif mode == ModeKeys.EVAL:
@@ -135,6 +139,9 @@ class Estimator:
         self._excluded_keys.update(self._store.local_keys())
         self._programs[mode] = (signature, program)
         self._sync_variables()
+        if isinstance(program, PSTrainProgram):  # the variables now live on the ps
+            program.connect(self._global_step, self.config.model_dir, self.config.keep_checkpoint_max)
+            self._ckpt.ps = program
         return program
 
     def _sync_variables(self) -> None:
@@ -193,6 +200,7 @@ class Estimator:
         _check_steps("max_steps", max_steps)
         if steps is not None and max_steps is not None:
             raise ConfigError(f"Give `steps` or `max_steps`, not both. Received: steps={steps}, max_steps={max_steps}")
+        check_can_train(self._strategy)  # a ps task serves here instead
         self._strategy.reducer  # connect before the first step, not inside it
         dataset = self._dataset(input_fn, ModeKeys.TRAIN)
         program = self._program(ModeKeys.TRAIN, dataset.element_spec)
@@ -246,6 +254,8 @@ class Estimator:
                 self._save()
                 self._timeline.flush()
         self._save(input_ended=not has_data)
+        if isinstance(program, PSTrainProgram):
+            program.finish()
         self._ckpt.iterator = None
         self._timeline.flush()
         if strategy.is_chief and self._global_step > start:

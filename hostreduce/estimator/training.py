@@ -71,6 +71,11 @@ def train_and_evaluate(estimator: Any, train_spec: TrainSpec, eval_spec: EvalSpe
     every = eval_spec.every_n_steps
     if every is not None and (not isinstance(every, int) or every < 1):
         raise ConfigError(f"`every_n_steps` must be an integer >= 1 or None. Received: every_n_steps={every!r}")
+    from .roles import train_and_evaluate_ps
+
+    outcome = train_and_evaluate_ps(estimator, train_spec, eval_spec)  # ps, evaluator, ps workers
+    if outcome is not None:
+        return outcome
     max_steps = train_spec.max_steps
     metrics: dict[str, float] = {}
     while True:

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import SpecError
 from ._keras import underlying_variable
 
-__all__ = ["compute_gradients", "gradients_or_none", "gradient_labels", "recorded_variables", "recording"]
+__all__ = ["compute_gradients", "gradients_or_none", "gradient_labels", "recorded_variables", "recording",
+           "sparse_gradients"]
 
 _state = threading.local()
 
@@ -35,6 +36,18 @@ def recording(tape: Any, loss_ready: Callable[[Any], Any] | None = None) -> Iter
         yield
     finally:
         _state.tape, _state.labels, _state.loss_ready = previous
+
+
+@contextlib.contextmanager
+def sparse_gradients() -> Iterator[None]:
+    """Inside this block gradients keep their ``tf.IndexedSlices`` form (an embedding
+    lookup's rows) instead of being made dense: parameter servers take the rows."""
+    previous = getattr(_state, "keep_sparse", False)
+    _state.keep_sparse = True
+    try:
+        yield
+    finally:
+        _state.keep_sparse = previous
 
 
 def gradient_labels() -> dict[int, str]:
@@ -115,7 +128,8 @@ def gradients_or_none(loss: Any, variables: Sequence[Any], output_gradients: Any
             "`compute_gradients` must be called inside a `model_fn` run by an Estimator "
             "(or inside a tf.function). Received: a call in eager mode without a tape"
         )
-    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    if not getattr(_state, "keep_sparse", False):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     for grad, var in zip(grads, variables):
         if grad is not None:
             _label(grad, var)

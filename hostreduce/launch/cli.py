@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("-np", "--num-workers", dest="num_workers", type=_num_workers, required=True,
                      metavar="N", help="number of workers to start (>= 1)")
+    run.add_argument("--ps", dest="num_ps", type=_num_workers, default=0, metavar="M",
+                     help="also start M parameter-server tasks (ParameterServerStrategy; worker 0 is the chief)")
+    run.add_argument("--evaluator", action="store_true",
+                     help="also start an evaluator task (it evaluates each checkpoint of a ps job)")
     run.add_argument("--host", default="127.0.0.1",
                      help="address used for the workers' cluster addresses (default: %(default)s)")
     run.add_argument("--timeout", type=_positive_seconds("--timeout"), default=None, metavar="SECONDS",
@@ -108,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             host=args.host,
             grace_period=args.grace_period,
             verbose=args.verbose,
+            num_ps=args.num_ps,
+            evaluator=args.evaluator,
         )
     except ValueError as exc:
         sys.stderr.write(f"hostreduce run: error: {exc}\n")

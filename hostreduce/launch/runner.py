@@ -19,6 +19,7 @@ from typing import BinaryIO, Callable, Mapping, Sequence
 
 from ..cluster import TF_CONFIG, format_tf_config
 from ._output import error_summary, is_startup_notice
+from ._tasks import job_tasks
 
 __all__ = [
     "run_workers",
@@ -262,6 +263,8 @@ def run_workers(
     host: str = "127.0.0.1",
     grace_period: float = GRACE_PERIOD_S,
     verbose: bool = False,
+    num_ps: int = 0,
+    evaluator: bool = False,
 ) -> int:
     """Run ``command`` as ``num_workers`` local workers of one job and wait for them.
 
@@ -278,6 +281,8 @@ def run_workers(
         grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
         verbose: keep TensorFlow's start-up notices (no CUDA driver, ``cuInit``, CPU
             instructions, oneDNN) in the relayed output; they are dropped otherwise.
+        num_ps, evaluator: also start this many ``ps`` tasks and an ``evaluator`` (a
+            parameter-server job, ``launch/_tasks.py``), labelled ``[ps0]``, ``[evaluator]``.
 
     Returns:
         0 when every worker succeeded; otherwise the exit status of the first worker
@@ -300,8 +305,7 @@ def run_workers(
     base = _merge_env(env)
     base.setdefault("PYTHONUNBUFFERED", "1")
     secret = base.get(_SECRET_VAR) or secrets.token_hex(32)
-    ports = free_ports(num_workers, host)
-    addresses = [_format_address(host, p) for p in ports]
+    tasks = job_tasks(host, num_workers, num_ps, evaluator)
 
     job = _Job()
     received: list[int] = []
@@ -318,13 +322,13 @@ def run_workers(
     code = 0
     final = ""
     try:
-        for index in range(num_workers):
+        for index, (label, tf_config_json) in enumerate(tasks):
             if received:
                 break
             try:
                 proc = subprocess.Popen(
                     list(command),
-                    env=worker_env(base, addresses, index, secret),
+                    env={**base, TF_CONFIG: tf_config_json, _SECRET_VAR: secret},
                     stdin=subprocess.DEVNULL,
                     stdout=pipe,
                     stderr=pipe,
@@ -336,7 +340,7 @@ def run_workers(
                 return code
             job.procs.append(proc)
             if prefix:
-                tag = f"[{index}] ".encode()
+                tag = f"[{label}] ".encode()
                 for src, dest, lock in ((proc.stdout, sys.stdout, out_lock), (proc.stderr, sys.stderr, err_lock)):
                     relay = _Relay(src, dest, tag, lock, quiet=not verbose)  # type: ignore[arg-type]
                     job.relays.append(relay)
@@ -349,7 +353,7 @@ def run_workers(
         while remaining and not received:
             wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if wait <= 0:
-                _message(f"timed out after {timeout:g} s; stopping all {num_workers} workers")
+                _message(f"timed out after {timeout:g} s; stopping all {len(tasks)} tasks")
                 code = TIMEOUT_EXIT_CODE
                 return code
             try:
@@ -369,7 +373,9 @@ def run_workers(
                     how += f" ({error})"
                 # Said once the others are stopped, so that it is the job's last line and
                 # not lost among the other workers' tracebacks.
-                final = f"worker {index} {how}" + ("; the other workers were stopped" if remaining else "")
+                name = tasks[index][0]
+                final = f"{'worker ' if name.isdigit() else ''}{name} {how}" + (
+                    "; the other workers were stopped" if remaining else "")
                 return code
         if received:
             code = 128 + received[0]

@@ -108,9 +108,10 @@ class PSClient:
 
     # ------------------------------------------------------------------ set-up
     def register(self, values: Mapping[str, np.ndarray], optimizer: HostOptimizer | dict, *,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES) -> Placement:
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, step: int | None = None) -> Placement:
         """Place ``values`` over the ps and initialise them (the chief; a second call
-        with the same variables keeps the values the ps hold)."""
+        with the same variables keeps the values the ps hold); ``step``: the sync step
+        the ps start from (the job's step when it resumes)."""
         values = {n: np.asarray(v) for n, v in values.items()}
         config = optimizer.get_config() if isinstance(optimizer, HostOptimizer) else dict(optimizer)
         p = place([VarSpec(n, v.shape, v.dtype.name) for n, v in values.items()], len(self.addresses),
@@ -119,7 +120,8 @@ class PSClient:
         for m in range(p.num_ps):
             names = p.on(m)
             parts = [p[n].split(values[n].astype(p[n].spec.dtype, copy=False))[m] for n in names]
-            requests[m] = wire.pack({"placement": p.to_json(), "optimizer": config, "names": names}, parts)
+            requests[m] = wire.pack({"placement": p.to_json(), "optimizer": config, "names": names, "step": step},
+                                    parts)
         self._call("Register", requests, timeout=max(self.timeout_s, 60.0))
         self.placement = p
         return p
@@ -205,12 +207,18 @@ class PSClient:
         self._call("Push", requests)
 
     # ------------------------------------------------------------------ job
-    def save(self, directory: str, step: int, *, keep: int = 3) -> None:
-        """Checkpoint every shard at ``step``; publish the index once all are written."""
+    def save(self, directory: str, step: int, *, keep: int = 3, publish: bool = True) -> None:
+        """Checkpoint every shard at ``step``; publish the index once all are written
+        (``publish=False``: the caller publishes it later, with :meth:`publish`)."""
         p = self._need()
         self._call("Save", {m: wire.pack({"dir": directory, "step": step}) for m in range(p.num_ps)},
                    timeout=max(self.timeout_s, 300.0))
-        checkpoint.publish_index(directory, step, p, self._optimizer_config())
+        if publish:
+            self.publish(directory, step, keep=keep)
+
+    def publish(self, directory: str, step: int, *, keep: int = 3) -> None:
+        """Name the shards of ``step`` (all written) as the checkpoint to restore."""
+        checkpoint.publish_index(directory, step, self._need(), self._optimizer_config())
         checkpoint.prune(directory, keep)
 
     def _optimizer_config(self) -> dict:
@@ -226,13 +234,23 @@ class PSClient:
                              timeout=max(self.timeout_s, 300.0))
         return int(replies[0][0]["step"])
 
-    def shutdown(self) -> list[str]:
-        """End the job: every ps still alive returns from ``serve()`` (the chief only).
-        Returns the errors of the ps that could not be told (lost ones), if any."""
+    def info(self) -> dict[str, Any]:
+        """ps 0's state: ``step`` (the last step applied in sync mode), ``mode``,
+        ``optimizer`` and ``placement`` (None before registration)."""
+        return self._call("Info", {0: wire.pack({})})[0][0]
+
+    def heartbeat(self) -> None:
+        """One call to every ps, so that each knows this worker is alive."""
+        self._call("Info", {m: wire.pack({}) for m in range(len(self.addresses))})
+
+    def shutdown(self, failure: str | None = None) -> list[str]:
+        """End the job: every ps still alive returns from ``serve()`` (the chief only);
+        ``failure`` says the job failed, and why. Returns the errors of the ps that
+        could not be told (lost ones), if any."""
         lost = []
         for m in range(len(self.addresses)):
             try:
-                self._call("Shutdown", {m: wire.pack({})}, timeout=min(self.timeout_s, 5.0))
+                self._call("Shutdown", {m: wire.pack({"failure": failure})}, timeout=min(self.timeout_s, 5.0))
             except PeerLostError as e:
                 lost.append(str(e))
         return lost

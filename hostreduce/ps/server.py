@@ -10,6 +10,11 @@ details, and the client raises the same class.
 returns when every worker's have been summed and applied (``barrier.py``).
 ``mode="async"``: each push is applied on arrival; a worker silent for ``timeout_s``
 is logged as lost and the others go on.
+
+``chief_timeout_s``: once the chief (worker 0) has called, a chief silent for that long
+(its strategy sends a heartbeat) ends the serving with :attr:`failure` set, so a ps of
+a job whose chief was killed does not serve forever. The chief's ``Shutdown`` says
+whether the job succeeded (:attr:`failure` names it when not).
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ log = logging.getLogger("hostreduce.ps")
 
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
-                 mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum") -> None:
+                 mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
+                 chief_timeout_s: float | None = None) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -57,6 +63,8 @@ class ParameterServer:
         self._lost: set[int] = set()
         self._done = threading.Event()
         self._server: Any = None
+        self.chief_timeout_s = chief_timeout_s
+        self.failure: str | None = None   # why serving ended other than by a successful job's Shutdown
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -79,7 +87,7 @@ class ParameterServer:
             raise ClusterError(f"ps task {self.index} cannot listen on {addr!r}: the port is taken or the address "
                                "is not local")
         self._server.start()
-        if self.mode == "async":
+        if self.mode == "async" or self.chief_timeout_s:
             threading.Thread(target=self._watch, daemon=True, name=f"hostreduce-ps{self.index}-watch").start()
         log.info("ps task %d serving on %s (%s, %d workers)", self.index, addr, self.mode, self.num_workers)
 
@@ -96,8 +104,19 @@ class ParameterServer:
             self._server.stop(grace=1.0).wait()
 
     def _watch(self) -> None:
-        while not self._done.wait(max(0.1, self.timeout_s / 4)):
+        period = max(0.1, min(self.timeout_s, self.chief_timeout_s or self.timeout_s) / 4)
+        while not self._done.wait(period):
             now = time.monotonic()
+            chief = self._seen.get(0)
+            if self.chief_timeout_s and chief is not None and now - chief > self.chief_timeout_s:
+                self.failure = (f"ps task {self.index}: the chief (worker 0) has not called for {now - chief:.1f} s "
+                                f"(chief_timeout_s={self.chief_timeout_s:g}): its process ended without ending "
+                                "the job")
+                log.error("%s; this ps stops serving", self.failure)
+                self._done.set()
+                return
+            if self.mode != "async":
+                continue
             for rank, seen in list(self._seen.items()):
                 if now - seen > self.timeout_s and rank not in self._lost:
                     self._lost.add(rank)
@@ -142,7 +161,10 @@ class ParameterServer:
         names = list(h["names"])
         if len(names) != len(a):
             raise TensorMismatchError(f"Register: {len(names)} names for {len(a)} arrays")
-        return {"new": self.store.register(placement, h["optimizer"], dict(zip(names, a)))}, []
+        new = self.store.register(placement, h["optimizer"], dict(zip(names, a)))
+        if new and isinstance(h.get("step"), int):
+            self.store.step = h["step"]  # a job resumed from a checkpoint without ps shards
+        return {"new": new}, []
 
     def _pulldense(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         return {}, self.store.pull(list(h["names"]))
@@ -201,5 +223,7 @@ class ParameterServer:
     def _shutdown(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         if rank != 0:
             raise ConfigError(f"only the chief (worker 0) ends the job. Received: Shutdown from worker {rank}")
+        if h.get("failure"):
+            self.failure = f"ps task {self.index}: the chief ended the job after a failure: {h['failure']}"
         threading.Timer(0.2, self._done.set).start()  # after this reply is on its way
         return {}, []

@@ -1,0 +1,79 @@
+"""An Estimator with an embedding and a dense layer, run as every task of a
+parameter-server job (the same script on ps and workers, roles from ``TF_CONFIG``) or,
+with ``--reference``, alone on the global batch; each training task writes its final
+variables to ``--out/<rank>.npz``."""
+import argparse
+import os
+
+import numpy as np
+
+import keras
+import tensorflow as tf
+
+import hostreduce
+
+VOCAB, DIM, LOOKUPS, FEATURES, EXAMPLES = 1000, 8, 4, 6, 1024
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--optimizer", default="sgd")
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--batch", type=int, default=16, help="per worker")
+parser.add_argument("--workers", type=int, default=2)
+parser.add_argument("--reference", action="store_true")
+parser.add_argument("--model-dir")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+
+def data():
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 60, size=(EXAMPLES, LOOKUPS)).astype(np.int32)   # few ids: duplicates
+    ids[:, 0] = rng.integers(0, VOCAB, size=EXAMPLES)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+    y = rng.normal(size=(EXAMPLES, 1)).astype(np.float32)
+    return {"ids": ids, "x": x}, y
+
+
+def input_fn(input_context=None):
+    features, labels = data()
+    dataset = tf.data.Dataset.from_tensor_slices((features, labels))
+    batch = args.batch
+    if input_context is not None and input_context.num_input_pipelines > 1:
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    elif args.reference:
+        batch = args.batch * args.workers
+    return dataset.batch(batch, drop_remainder=True).repeat()
+
+
+def model_fn(features, labels, mode):
+    emb = keras.layers.Embedding(VOCAB, DIM, embeddings_initializer=keras.initializers.RandomUniform(seed=1),
+                                 name="emb")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+                               bias_initializer="zeros", name="out")
+    looked = tf.reduce_mean(emb(features["ids"]), axis=1)
+    pred = dense(tf.concat([looked, features["x"]], axis=1))
+    loss = tf.reduce_mean(tf.square(pred - labels))
+    if mode != hostreduce.ModeKeys.TRAIN:
+        return hostreduce.EstimatorSpec(mode, loss=loss, eval_metric_ops={"mse": tf.compat.v1.metrics.mean(loss)})
+    optimizer = keras.optimizers.Adam(0.01) if args.optimizer == "adam" else keras.optimizers.SGD(0.5)
+    variables = emb.trainable_variables + dense.trainable_variables
+    grads = hostreduce.compute_gradients(loss, variables)
+
+    def host_fn(*g):
+        optimizer.apply_gradients(zip(g, variables))
+
+    return hostreduce.EstimatorSpec(mode, loss=loss, train_op=tf.identity(loss), host_call=(host_fn, grads))
+
+
+if args.reference:
+    config = hostreduce.RunConfig(fused_apply=False, model_dir=args.model_dir)
+else:
+    strategy = hostreduce.ParameterServerStrategy(sync=True, shard_bytes=16_000)
+    config = hostreduce.RunConfig(train_distribute=strategy, model_dir=args.model_dir, save_checkpoints_steps=3)
+estimator = hostreduce.Estimator(model_fn, config=config)
+estimator.train(input_fn, max_steps=args.steps)
+rank = 0 if args.reference else estimator.strategy.rank
+values = {k: v for k, v in estimator.get_variables().items() if v.dtype.kind == "f" and v.ndim >= 1}
+np.savez(os.path.join(args.out, f"{'ref' if args.reference else rank}.npz"), **values)
+traffic = {} if args.reference else estimator.strategy.job.client.bytes_received
+print(f"DONE rank {rank}: step {estimator.global_step} pulled {sorted(traffic.items())}", flush=True)

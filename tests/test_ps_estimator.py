@@ -1,0 +1,70 @@
+"""``hostreduce.ParameterServerStrategy`` under the Estimator, every task its own
+process started by hand with ``TF_CONFIG`` (the same script on ps and workers): sync
+training of a dense layer and an embedding on 2 ps + 2 workers equals one process
+training on the global batch (SGD and Adam), and every process ends with status 0."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ps_helpers import max_rel  # noqa: E402
+from script_jobs import ROOT, base_env, run_ps_by_hand  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "estimator_ps.py"
+STEPS = "6"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sync_ps_training_equals_global_batch_training(optimizer: str, tmp_path: Path) -> None:
+    args = ["--out", str(tmp_path), "--optimizer", optimizer, "--steps", STEPS, "--model-dir", str(tmp_path / "m")]
+    tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"))
+    output = "\n".join(f"--- {name} ---\n{w.output}" for name, w in tasks.items())
+    assert {name: w.returncode for name, w in tasks.items()} == dict.fromkeys(tasks, 0), output
+    reference = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(tmp_path),
+                                "--optimizer", optimizer, "--steps", STEPS], env=base_env(), cwd=str(ROOT),
+                               capture_output=True, text=True, timeout=120)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ref = np.load(tmp_path / "ref.npz")  # also holds the reference's optimizer slots
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"{rank}.npz")
+        assert sorted(got.files) == ["emb/embeddings", "out/bias", "out/kernel"]
+        for name in got.files:
+            assert max_rel(got[name], ref[name]) <= 1e-5, (rank, name, max_rel(got[name], ref[name]))
+    for name in ("chief", "worker1"):  # the embedding's rows of each batch, not the whole table
+        assert "('PullRows', " in tasks[name].output, output
+    # the chief's checkpoint holds the ps's values, and the ps shards (slots too) beside it
+    from hostreduce.ps import checkpoint
+
+    index = checkpoint.read_index(str(tmp_path / "m" / "ps"))
+    assert index is not None and index["step"] == int(STEPS), output
+    assert index["optimizer"]["name"] == optimizer
+
+
+@pytest.mark.timeout(400)
+def test_a_resumed_job_restores_the_ps_shards_with_the_checkpoint(tmp_path: Path) -> None:
+    """3 steps, then a new job on the same model_dir to step 6, equals 6 steps at once
+    (Adam: the ps's slots and step count come back with the chief's checkpoint)."""
+    model_dir = str(tmp_path / "m")
+    for steps in ("3", "6"):
+        args = ["--out", str(tmp_path), "--optimizer", "adam", "--steps", steps, "--model-dir", model_dir]
+        tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"))
+        output = "\n".join(f"--- {name} ---\n{w.output}" for name, w in tasks.items())
+        assert {name: w.returncode for name, w in tasks.items()} == dict.fromkeys(tasks, 0), output
+        assert f"DONE rank 0: step {steps}" in tasks["chief"].output, output
+    reference = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(tmp_path),
+                                "--optimizer", "adam", "--steps", "6"], env=base_env(), cwd=str(ROOT),
+                               capture_output=True, text=True, timeout=120)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ref = np.load(tmp_path / "ref.npz")
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"{rank}.npz")
+        for name in got.files:
+            assert max_rel(got[name], ref[name]) <= 1e-5, (rank, name, max_rel(got[name], ref[name]))
