@@ -1,4 +1,4 @@
-"""Parameter-server mode (issue 14), engine level: placement of variables over ps
+"""Parameter-server mode, engine level: placement of variables over ps
 tasks, host optimizers, the ps server, the worker's client and coordinated checkpoints.
 numpy and grpc only; TensorFlow is never imported here."""
 from __future__ import annotations
