@@ -175,3 +175,27 @@ def test_progress_reaches_tensorflow_logging(caplog: pytest.LogCaptureFixture) -
     est.train(common.make_input_fn(), steps=4)
     text = caplog.text
     assert "step 2: loss" in text and "step 4: loss" in text and "Loss for final step" in text, text
+
+
+def test_progress_still_reaches_tensorflow_logging_after_a_root_handler_appears() -> None:
+    """``logging.info`` anywhere (TensorFlow's checkpoint code calls it) installs a root
+    handler at WARNING; progress lines must still reach TensorFlow's INFO logger."""
+    from hostreduce.estimator.progress import progress
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    root, tf_logger = logging.getLogger(), logging.getLogger("tensorflow")
+    saved = (root.handlers[:], root.level, tf_logger.handlers[:], tf_logger.level)
+    try:
+        root.handlers[:] = [logging.StreamHandler()]
+        root.setLevel(logging.WARNING)
+        tf_logger.handlers[:] = [Keep()]
+        tf_logger.setLevel(logging.INFO)
+        progress("step %d: loss = %.3f", 7, 0.5)
+    finally:
+        root.handlers[:], root.level, tf_logger.handlers[:], tf_logger.level = saved
+    assert seen == ["step 7: loss = 0.500"]

@@ -15,9 +15,11 @@ def progress(message: str, *args: Any) -> None:
     Scripts ported from ``tf.estimator`` turn progress on with
     ``tf.compat.v1.logging.set_verbosity(INFO)``. When the application configured no
     handler for hostreduce's logger, such a script still sees its progress, through
-    TensorFlow's logger as before.
+    TensorFlow's logger as before; also when the only handler is one that drops INFO
+    (``logging.info`` called anywhere, TensorFlow's checkpoint code does, installs a
+    root handler at WARNING).
     """
-    if not logger.hasHandlers():
+    if not (logger.hasHandlers() and logger.isEnabledFor(logging.INFO)):
         tf_logger = logging.getLogger("tensorflow")
         if tf_logger.handlers and tf_logger.isEnabledFor(logging.INFO):
             tf_logger.info(message, *args)
