@@ -65,6 +65,22 @@ def test_sum_duplicates():
     np.testing.assert_array_equal(s, [[6, 7], [2 + 8, 3 + 9], [0 + 4 + 10, 1 + 5 + 11]])
 
 
+@pytest.mark.parametrize("distinct", [5, 300, 5000])
+def test_sum_duplicates_adds_each_ids_rows_in_arrival_order(distinct: int) -> None:
+    """Bit for bit the left-to-right sum of each id's rows in their order in the input
+    (float32 addition is not associative: another order changes the bits)."""
+    rng = np.random.default_rng(distinct)
+    ids = rng.integers(0, distinct, 3000)
+    vals = (rng.normal(size=(3000, 4)) * 1e3 ** rng.integers(-2, 3, (3000, 1))).astype(np.float32)
+    expected: dict[int, np.ndarray] = {}
+    for i, row in zip(ids.tolist(), vals):
+        expected[i] = row.copy() if i not in expected else expected[i] + row
+    u, s = sum_duplicates(ids, vals)
+    assert u.tolist() == sorted(expected)
+    np.testing.assert_array_equal(s, np.stack([expected[i] for i in u.tolist()]))
+    assert s.dtype == np.float32
+
+
 # ---------------------------------------------------------------------------- optimizers vs Keras
 KERAS_CASES = [("SGD", {"learning_rate": 0.1}), ("SGD", {"learning_rate": 0.1, "momentum": 0.9}),
                ("SGD", {"learning_rate": 0.05, "momentum": 0.8, "nesterov": True}),

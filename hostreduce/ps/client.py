@@ -179,7 +179,7 @@ class PSClient:
             for m, (pos, _) in enumerate(routes):
                 if len(pos):
                     rows[pos] = got[m][n]
-            out[n] = rows[inverse].reshape(shape + rows.shape[1:])
+            out[n] = np.take(rows, inverse.reshape(-1), axis=0).reshape(shape + rows.shape[1:])
         return out
 
     # ------------------------------------------------------------------ pushes
@@ -201,7 +201,7 @@ class PSClient:
             for m, (pos, local) in enumerate(p[n].route(uniq)):
                 if len(pos):
                     per_ps[m][2].append(n)
-                    per_ps[m][3].extend((local, summed[pos]))
+                    per_ps[m][3].extend((local, np.take(summed, pos, axis=0)))
         requests = {m: wire.pack({"step": step, "dense": d, "rows": r}, da + ra)
                     for m, (d, da, r, ra) in per_ps.items() if step is not None or d or r}
         self._call("Push", requests)

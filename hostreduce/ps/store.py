@@ -84,7 +84,7 @@ class ShardStore:
         var = self._var(name)
         check_rows(name, rows, var.value.shape[0])
         with var.lock:
-            return var.value[rows]
+            return np.take(var.value, rows, axis=0)  # a copy, several times faster than value[rows]
 
     # ------------------------------------------------------------------ applies
     def apply_dense(self, name: str, grad: np.ndarray) -> None:
