@@ -77,10 +77,12 @@ TARGET_RATIO = 1.0             # sync examples/s / tf examples/s
 # =========================================================================== jobs
 
 
-def _env(workdir: Path) -> dict[str, str]:
+def _env() -> dict[str, str]:
     pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    # The chief registers a large table on the ps (tens of seconds at 4M rows on a busy
+    # machine) while the other worker waits in a collective: more than the default 30 s.
     return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-            "HOSTREDUCE_TRANSPORT": "grpc"}
+            "HOSTREDUCE_TRANSPORT": "grpc", "HOSTREDUCE_TIMEOUT_S": "180"}
 
 
 def _argv(role: str, plan_path: Path, workdir: Path, cell: str) -> list[str]:
@@ -90,7 +92,7 @@ def _argv(role: str, plan_path: Path, workdir: Path, cell: str) -> list[str]:
 
 def _job(cell: dict, plan: dict, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
     mode, name = cell["mode"], cell["name"]
-    env = _env(workdir)
+    env = _env()
     ps, workers = plan["ps"], plan["workers"]
     if mode == "allreduce":
         addresses = [f"127.0.0.1:{p}" for p in C.free_ports(workers)]

@@ -56,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # Adam on the tables updates only the rows of each batch ("lazy"), O(batch) per step;
     # Keras's exact Adam would move every row of a 4M-row table at every step.
-    strategy = hostreduce.ParameterServerStrategy(sync=args.sync, sparse="lazy")
+    # The chief registers the tables on the ps before the first step (a 1 GB initial value
+    # at 4M x 64: tens of seconds on a busy machine) while the other workers wait for it
+    # in a collective: give that wait more than the default 30 s, unless the user chose.
+    overrides = {} if "HOSTREDUCE_TIMEOUT_S" in os.environ else {"timeout_s": 180.0}
+    strategy = hostreduce.ParameterServerStrategy(sync=args.sync, sparse="lazy",
+                                                  config=hostreduce.Config.from_env(**overrides))
     chief = strategy.role == "worker" and strategy.is_chief
     logging.basicConfig(level=logging.INFO if chief else logging.WARNING, format="%(message)s")
     logging.getLogger("hostreduce.estimator").setLevel(logging.INFO if chief else logging.WARNING)
