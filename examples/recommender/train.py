@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          eval_batches=args.eval_batches))
     if chief:
         log.info("trained to step %d in %.1f s; this worker's ps traffic: %.1f MB received, %.1f MB sent "
-                 "(with the pull of every variable at the end of training)",
+                 "(the registration of the initial values included)",
                  estimator.global_step, train_s, pulled / 1e6, pushed / 1e6)
         print(f"held-out: loss {metrics['loss']:.4f}, AUC {metrics['auc']:.4f}, accuracy {metrics['accuracy']:.4f}",
               flush=True)
