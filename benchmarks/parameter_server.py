@@ -102,7 +102,8 @@ def _job(cell: dict, plan: dict, plan_path: Path, workdir: Path, timeout_s: floa
                            workdir, timeout_s)
     ports = iter(C.free_ports(ps + workers + 1))
     if mode == "tf":
-        cluster = {"chief": [f"localhost:{next(ports)}"], "worker": [f"localhost:{next(ports)}" for _ in range(workers)],
+        cluster = {"chief": [f"localhost:{next(ports)}"],
+                   "worker": [f"localhost:{next(ports)}" for _ in range(workers)],
                    "ps": [f"localhost:{next(ports)}" for _ in range(ps)]}
         tasks = [("ps", i) for i in range(ps)] + [("worker", i) for i in range(workers)] + [("chief", 0)]
         env["PS_BENCH_TIMEOUT_S"] = str(int(timeout_s))

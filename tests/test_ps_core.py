@@ -296,3 +296,26 @@ def test_row_traffic_grows_with_the_batch_not_the_table():
     assert sent[200_000, 512] <= table_bytes / 100, sent
     assert abs(sent[200_000, 512] - sent[50_000, 512]) / sent[50_000, 512] < 0.05, sent   # not the table
     assert 1.8 < sent[200_000, 1024] / sent[200_000, 512] < 2.2, sent                     # the batch
+
+
+def test_pull_step_equals_pull_rows_and_pull_in_one_round_trip():
+    cluster = LocalCluster(2, 1, mode="async")
+    try:
+        c = cluster.client(0)
+        rng = np.random.default_rng(3)
+        values = {"table": rng.normal(size=(5000, 8)).astype(np.float32),
+                  "w": rng.normal(size=(16, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+        c.register(values, Adagrad(0.1), shard_bytes=1 << 14)   # the table split over both ps, w and b whole
+        ids = rng.integers(0, 5000, size=(64, 3))                 # repeats included
+        c.bytes_sent.clear()
+        rows, dense = c.pull_step({"table": ids}, ["w", "b"])
+        assert rows.keys() == {"table"} and dense.keys() == {"w", "b"}
+        np.testing.assert_array_equal(rows["table"], values["table"][ids])
+        for n in ("w", "b"):
+            np.testing.assert_array_equal(dense[n], values[n])
+        assert set(c.bytes_sent) == {"PullRows", "PullDense"}, c.bytes_sent
+        np.testing.assert_array_equal(c.pull_rows({"table": ids})["table"], rows["table"])
+        only_rows, none = c.pull_step({"table": ids[:2]}, [])
+        assert none == {} and only_rows["table"].shape == (2, 3, 8)
+    finally:
+        cluster.stop()

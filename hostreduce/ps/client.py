@@ -79,25 +79,33 @@ class PSClient:
     def _call(self, method: str, requests: Mapping[int, bytes], timeout: float | None = None
               ) -> dict[int, tuple[dict, list[np.ndarray]]]:
         """Send ``requests[m]`` to every ps ``m`` at once; the unpacked replies by ps."""
+        return self._call_all([(method, requests)], timeout)[0]
+
+    def _call_all(self, batches: Sequence[tuple[str, Mapping[int, bytes]]], timeout: float | None = None
+                  ) -> list[dict[int, tuple[dict, list[np.ndarray]]]]:
+        """Every request of every ``(method, {ps: request})`` in flight at once (one
+        round trip for all); the unpacked replies of each batch, by ps."""
         done: queue.SimpleQueue = queue.SimpleQueue()
-        calls = {}
-        for m, req in requests.items():
-            self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
-            fut = self._stubs[m][method].future(req, timeout=timeout or self.timeout_s, metadata=self._meta[m])
-            fut.add_done_callback(lambda f, m=m: done.put((m, f)))
-            calls[m] = fut
-        out = {}
+        calls = []
+        for i, (method, requests) in enumerate(batches):
+            for m, req in requests.items():
+                self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
+                fut = self._stubs[m][method].future(req, timeout=timeout or self.timeout_s, metadata=self._meta[m])
+                fut.add_done_callback(lambda f, i=i, m=m: done.put((i, m, f)))
+                calls.append(fut)
+        out: list[dict[int, tuple[dict, list[np.ndarray]]]] = [{} for _ in batches]
         try:
             for _ in range(len(calls)):
-                m, fut = done.get()
+                i, m, fut = done.get()
+                method = batches[i][0]
                 exc = fut.exception()
                 if exc is not None:
                     raise self._error(m, method, exc)
                 raw = fut.result()
                 self.bytes_received[method] = self.bytes_received.get(method, 0) + len(raw)
-                out[m] = wire.unpack(raw)
+                out[i][m] = wire.unpack(raw)
         finally:
-            for fut in calls.values():
+            for fut in calls:
                 fut.cancel()
         return out
 
@@ -143,9 +151,33 @@ class PSClient:
     def pull(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """The current values of ``names`` (default: every variable), whole."""
         p = self._need()
-        names = list(p.entries) if names is None else list(names)
+        dense = self._dense_requests(list(p.entries) if names is None else list(names))
+        return self._merge_dense(dense, self._call("PullDense", dense[2]))
+
+    def pull_rows(self, ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """For each variable, its rows at ``ids`` (any shape, repeats allowed): an array
+        of shape ``ids.shape + row shape``."""
+        rows = self._rows_requests(ids)
+        return self._merge_rows(rows, self._call("PullRows", rows[2]))
+
+    def pull_step(self, ids: Mapping[str, np.ndarray], names: Sequence[str]
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(pull_rows(ids), pull(names))`` in one round trip: both sets of requests are
+        in flight together, as a training step needs its rows and its dense variables."""
+        rows, dense = self._rows_requests(ids), self._dense_requests(list(names))
+        batches = [("PullRows", rows[2])] + ([("PullDense", dense[2])] if dense[2] else [])
+        replies = self._call_all(batches)
+        return self._merge_rows(rows, replies[0]), self._merge_dense(dense, replies[1] if dense[2] else {})
+
+    def _dense_requests(self, names: list[str]) -> tuple[list[str], dict[int, list[str]], dict[int, bytes]]:
+        p = self._need()
         per_ps = {m: [n for n in names if p[n].local_rows(m) > 0 or p[n].ps == m] for m in range(p.num_ps)}
-        replies = self._call("PullDense", {m: wire.pack({"names": ns}) for m, ns in per_ps.items() if ns})
+        return names, per_ps, {m: wire.pack({"names": ns}) for m, ns in per_ps.items() if ns}
+
+    def _merge_dense(self, request: tuple[list[str], dict[int, list[str]], dict[int, bytes]],
+                     replies: Mapping[int, tuple[dict, list[np.ndarray]]]) -> dict[str, np.ndarray]:
+        p = self._need()
+        names, per_ps, _ = request
         parts: dict[str, dict[int, np.ndarray]] = {}
         for m, (_, arrays) in replies.items():
             for n, arr in zip(per_ps[m], arrays):
@@ -157,9 +189,8 @@ class PSClient:
                                  for m in range(p.num_ps)])
         return out
 
-    def pull_rows(self, ids: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """For each variable, its rows at ``ids`` (any shape, repeats allowed): an array
-        of shape ``ids.shape + row shape``."""
+    def _rows_requests(self, ids: Mapping[str, np.ndarray]
+                       ) -> tuple[list, dict[int, tuple[list, list]], dict[int, bytes]]:
         p = self._need()
         plan, requests = [], {m: ([], []) for m in range(p.num_ps)}
         for n, raw in ids.items():
@@ -171,7 +202,13 @@ class PSClient:
                 if len(pos):
                     requests[m][0].append(n)
                     requests[m][1].append(local)
-        replies = self._call("PullRows", {m: wire.pack({"names": ns}, arrs) for m, (ns, arrs) in requests.items() if ns})
+        packed = {m: wire.pack({"names": ns}, arrs) for m, (ns, arrs) in requests.items() if ns}
+        return plan, requests, packed
+
+    def _merge_rows(self, request: tuple[list, dict[int, tuple[list, list]], dict[int, bytes]],
+                    replies: Mapping[int, tuple[dict, list[np.ndarray]]]) -> dict[str, np.ndarray]:
+        p = self._need()
+        plan, requests, _ = request
         got = {m: dict(zip(requests[m][0], arrays)) for m, (_, arrays) in replies.items()}
         out = {}
         for n, shape, uniq, inverse, routes in plan:
