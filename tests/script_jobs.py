@@ -99,6 +99,15 @@ class Job:
         self._join_readers()
         return list(self._workers)
 
+    def signal(self, index: int, sig: int = signal.SIGKILL) -> float:
+        """Send ``sig`` to the process started ``index``-th (its whole session); the
+        time it was sent (``time.monotonic()``)."""
+        os.killpg(self._procs[index].pid, sig)
+        return time.monotonic()
+
+    def running(self, index: int) -> bool:
+        return self._procs[index].poll() is None
+
     def leftovers(self) -> list[int]:
         """Live processes of this job (a rank or helper that outlived its parent)."""
         tag = f"{MARKER_VAR}={self.marker}".encode()
