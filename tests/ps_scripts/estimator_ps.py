@@ -23,8 +23,11 @@ parser.add_argument("--reference", action="store_true")
 parser.add_argument("--model-dir")
 parser.add_argument("--save-steps", type=int, default=3, help="save_checkpoints_steps")
 parser.add_argument("--keep", type=int, default=5, help="keep_checkpoint_max")
+parser.add_argument("--progress", action="store_true", help="log the Estimator's progress (as tf.estimator's INFO)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+if args.progress:
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
 
 
 def data():
