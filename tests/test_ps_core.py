@@ -275,6 +275,38 @@ def _push_catching(client, failed: list) -> None:
         failed.append(e)
 
 
+class _SilentCall:
+    """A gRPC method whose calls never report their end (no done callback ever runs)."""
+
+    def future(self, request, timeout=None, metadata=None):
+        return self
+
+    def add_done_callback(self, fn) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(20)
+def test_a_call_whose_end_is_never_reported_fails_naming_the_ps(monkeypatch):
+    """The client's wait for the replies has its own limit (the deadline plus a grace),
+    so even a call gRPC never ends cannot block a worker forever."""
+    from hostreduce.ps import client as client_module
+
+    monkeypatch.setattr(client_module, "_GRACE_S", 0.3, raising=False)
+    cluster = LocalCluster(2, 1, timeout_s=0.5)
+    try:
+        c = cluster.client(0, timeout_s=0.5)
+        c._stubs[1] = dict(c._stubs[1], Info=_SilentCall())
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match=f"ps task 1 at '{cluster.addresses[1]}' did not answer Info"):
+            c.heartbeat()
+        assert time.monotonic() - t0 < 0.5 + 0.3 + 1.0
+    finally:
+        cluster.stop()
+
+
 def test_checkpoint_restores_onto_three_ps_and_a_crash_before_publish_keeps_the_previous(tmp_path):
     d = str(tmp_path)
     config = Adam(0.01)
