@@ -28,6 +28,8 @@ from .rows import sum_duplicates
 
 __all__ = ["PSClient"]
 
+_GRACE_S = 5.0  # beyond a call's deadline, before its silence counts as the ps lost
+
 
 class PSClient:
     def __init__(self, ps_addresses: Sequence[str], rank: int, num_workers: int, secret: str, *,
@@ -81,15 +83,24 @@ class PSClient:
         """Send ``requests[m]`` to every ps ``m`` at once; the unpacked replies by ps."""
         done: queue.SimpleQueue = queue.SimpleQueue()
         calls = {}
+        deadline_s = timeout or self.timeout_s
         for m, req in requests.items():
             self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
-            fut = self._stubs[m][method].future(req, timeout=timeout or self.timeout_s, metadata=self._meta[m])
+            fut = self._stubs[m][method].future(req, timeout=deadline_s, metadata=self._meta[m])
             fut.add_done_callback(lambda f, m=m: done.put((m, f)))
             calls[m] = fut
         out = {}
+        # gRPC ends every call by its deadline; this bound only guards against a call
+        # whose end is never reported, so that no wait here is without a limit.
+        give_up = time.monotonic() + deadline_s + _GRACE_S
         try:
             for _ in range(len(calls)):
-                m, fut = done.get()
+                try:
+                    m, fut = done.get(timeout=max(0.0, give_up - time.monotonic()))
+                except queue.Empty:
+                    m = min(set(calls) - set(out))
+                    raise PeerLostError(f"Worker {self.rank}: ps task {m} at {self.addresses[m]!r} did not answer "
+                                        f"{method} within {deadline_s:g} s (the ps is hung or unreachable)") from None
                 exc = fut.exception()
                 if exc is not None:
                     raise self._error(m, method, exc)
