@@ -61,9 +61,9 @@ def _job_in_background(args: list[str], job: Job, timeout: float, cluster: dict[
 def test_a_killed_ps_fails_every_task_in_time_and_a_restart_resumes_exactly(tmp_path: Path) -> None:
     """SIGKILL ps1 once step 10's checkpoint exists: chief, worker1 and ps0 fail within
     timeout_s naming ps1 and exit non-zero; the job restarted on the same model_dir resumes from the
-    latest checkpoint and ends bitwise equal to an uninterrupted job of 40 steps (Adam:
+    latest checkpoint and ends bitwise equal to an uninterrupted job of 24 steps (Adam:
     the ps's slots and step count, and each worker's input position, come back)."""
-    steps, kill_after = 40, 10
+    steps, kill_after = 24, 10
     common = ["--progress", "--optimizer", "adam", "--steps", str(steps), "--save-steps", "5", "--model-dir"]
     model_dir = tmp_path / "m"
     for d in ("killed", "resumed", "uninterrupted"):
