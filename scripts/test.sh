@@ -9,4 +9,4 @@ bash scripts/setup.sh
 if ! PYTHON=.venv/bin/python bash scripts/build_horovod.sh; then
     echo "test: Horovod could not be built here; its reducer's tests will skip and say why" >&2
 fi
-exec .venv/bin/python -m pytest -ra "$@"
+exec .venv/bin/python -m pytest -ra --durations=25 "$@"

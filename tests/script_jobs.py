@@ -99,6 +99,15 @@ class Job:
         self._join_readers()
         return list(self._workers)
 
+    def signal(self, index: int, sig: int = signal.SIGKILL) -> float:
+        """Send ``sig`` to the process started ``index``-th (its whole session); the
+        time it was sent (``time.monotonic()``)."""
+        os.killpg(self._procs[index].pid, sig)
+        return time.monotonic()
+
+    def running(self, index: int) -> bool:
+        return self._procs[index].poll() is None
+
     def leftovers(self) -> list[int]:
         """Live processes of this job (a rank or helper that outlived its parent)."""
         tag = f"{MARKER_VAR}={self.marker}".encode()
@@ -210,17 +219,20 @@ def ps_cluster(ps: int, workers: int, evaluator: bool = False) -> dict[str, list
 
 def run_ps_by_hand(script: str | Path, args: Sequence[str] = (), ps: int = 2, workers: int = 2,
                    evaluator: bool = False, timeout: float = 180.0, env: dict[str, str] | None = None,
-                   job: Job | None = None) -> dict[str, Worker]:
+                   job: Job | None = None, cluster: dict[str, list[str]] | None = None,
+                   ps_script: str | Path | None = None) -> dict[str, Worker]:
     """Start every task of a parameter-server job as its own ``python script`` process
     with its ``TF_CONFIG`` and a shared ``HOSTREDUCE_SECRET``, as a user does (one
     terminal per task); the processes by task (``chief``, ``worker1``, ``ps0``, ...,
-    ``evaluator``)."""
+    ``evaluator``), started in the order ps, chief, workers, evaluator. ``cluster``: the
+    addresses (default: :func:`ps_cluster` of ``ps``, ``workers``, ``evaluator``);
+    ``ps_script``: what the ps tasks run instead (without ``args``)."""
     import json
 
-    cluster = ps_cluster(ps, workers, evaluator)
+    cluster = cluster or ps_cluster(ps, workers, evaluator)
     secret = secrets.token_hex(16)
     tasks = [(t, i) for t in ("ps", "chief", "worker", "evaluator") for i in range(len(cluster.get(t, [])))]
-    starts = [([sys.executable, str(script), *args],
+    starts = [([sys.executable, str(ps_script)] if ps_script and t == "ps" else [sys.executable, str(script), *args],
                dict(env or base_env(), HOSTREDUCE_SECRET=secret,
                     TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})))
               for t, i in tasks]

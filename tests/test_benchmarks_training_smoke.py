@@ -28,15 +28,17 @@ def _run(script: str, out: Path, timeout: float, *extra: str) -> subprocess.Comp
 @pytest.mark.timeout(200)
 def test_overlap_quick_writes_every_field(tmp_path: Path) -> None:
     # Two timed steps per schedule (not three): the median, the spans and the timeline step
-    # are all still taken from more than one step.
-    proc = _run("overlap.py", tmp_path, 180, "--steps", "2")
+    # are all still taken from more than one step. One network: the simulated 1 Gbit/s
+    # cluster where this machine can make one (it is what the targets are about), else
+    # loopback.
+    usable = NC.netns_usable()[0]
+    networks = ["1gbit"] if usable else ["loopback"]
+    proc = _run("overlap.py", tmp_path, 180, "--steps", "2", "--networks", networks[0])
     result = json.loads((tmp_path / "overlap.json").read_text())
     for key in ("benchmark", "environment", "settings", "runs", "measurements", "targets"):
         assert key in result, key
     env = result["environment"]
     assert env["loadavg_at_start"] and env["loadavg_at_end"] and env["versions"]["tensorflow"]
-    usable = NC.netns_usable()[0]
-    networks = ["loopback", "1gbit"] if usable else ["loopback"]
     assert result["settings"]["networks"] == networks and result["settings"]["np"] == [2]
     assert result["settings"]["model"]["dense_layers"] >= 8
     rows = {r["network"]: r for r in result["measurements"]}
@@ -83,23 +85,32 @@ def test_overlap_quick_writes_every_field(tmp_path: Path) -> None:
     assert "hidden" in proc.stdout
 
 
-@pytest.mark.timeout(200)
-def test_end_to_end_quick_writes_every_field(tmp_path: Path) -> None:
-    # The large model's hidden layers narrowed (1792 -> 128, still 8 of them): the smoke run
-    # checks the pipeline and the results file, not the throughput of 26M parameters.
-    proc = _run("end_to_end.py", tmp_path, 180, "--large-hidden", "128")
-    result = json.loads((tmp_path / "end_to_end.json").read_text())
+@pytest.fixture(scope="module")
+def end_to_end(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
+    """One quick run of the end-to-end benchmark for both tests below: the Estimator rows
+    (ring, tf) and the model.fit rows (keras-ring, keras-tf), on both models. The large
+    model's hidden layers narrowed (1792 -> 128, still 8 of them): the smoke run checks
+    the pipeline and the results file, not the throughput of 26M parameters."""
+    out = tmp_path_factory.mktemp("e2e")
+    proc = _run("end_to_end.py", out, 260, "--impl", "ring,tf,keras-ring,keras-tf", "--large-hidden", "128")
+    return json.loads((out / "end_to_end.json").read_text()), proc.stdout, out
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_quick_writes_every_field(end_to_end: tuple) -> None:
+    result, stdout, out = end_to_end
     for key in ("benchmark", "environment", "settings", "runs", "baselines", "measurements", "ratios", "targets"):
         assert key in result, key
     env = result["environment"]
     assert env["loadavg_at_start"] and env["loadavg_at_end"] and env["versions"]["tensorflow"]
-    assert result["settings"]["impls"] == ["ring", "tf"] and result["settings"]["np"] == [2]
+    assert result["settings"]["impls"] == ["ring", "tf", "keras-ring", "keras-tf"]
+    assert result["settings"]["np"] == [2]
     assert result["settings"]["models"] == ["mnist", "large"] and result["settings"]["plan"]["large_hidden"] == 128
     batches = result["settings"]["plan"]["batch"]["loopback"]
     for path in ("estimator", "keras"):
         for model in ("mnist", "large"):
             assert result["baselines"][f"{model}@{batches[model]}"][path]["1"] > 0
-    cells = {(r["impl"], r["model"]): r for r in result["measurements"]}
+    cells = {(r["impl"], r["model"]): r for r in result["measurements"] if r["impl"] in ("ring", "tf")}
     assert set(cells) == {(i, m) for i in ("ring", "tf") for m in ("mnist", "large")}
     for (impl, model), r in cells.items():
         assert r["network"] == "loopback" and r["np"] == 2
@@ -107,24 +118,24 @@ def test_end_to_end_quick_writes_every_field(tmp_path: Path) -> None:
         assert r["examples_per_s"] == pytest.approx(r["global_batch"] / (r["step_ms"] / 1e3), rel=1e-2)
         assert 0 < r["efficiency"] and set(r["rank_step_ms"]) == {"0", "1"}
         assert result["runs"]["loopback"][impl]["2"]["status"] == "ok"
-    assert {(r["model"], r["what"]) for r in result["ratios"]} == {("mnist", "ring / tf"), ("large", "ring / tf")}
+    ratios = {(r["model"], r["what"]) for r in result["ratios"]}
+    assert {("mnist", "ring / tf"), ("large", "ring / tf")} <= ratios
     assert any("ring / tf" in t["what"] for t in result["targets"])
-    assert (tmp_path / "end_to_end.png").stat().st_size > 0
-    assert "examples/s" in proc.stdout
+    assert (out / "end_to_end.png").stat().st_size > 0
+    assert "examples/s" in stdout
 
 
-@pytest.mark.timeout(150)
-def test_end_to_end_quick_keras_fit_rows(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_end_to_end_quick_keras_fit_rows(end_to_end: tuple) -> None:
     """model.fit under hostreduce's ring and under MultiWorkerMirroredStrategy (Keras 3,
-    or tf_keras where Keras 3's fit fails under it), on the mnist model: rows, baselines,
-    the ratio, and equal weights on every rank (the gradients were reduced)."""
-    proc = _run("end_to_end.py", tmp_path, 130, "--impl", "keras-ring,keras-tf", "--models", "mnist",
-                "--name", "e2e.keras")
-    result = json.loads((tmp_path / "e2e.keras.json").read_text())
-    assert result["settings"]["impls"] == ["keras-ring", "keras-tf"] and result["settings"]["models"] == ["mnist"]
-    assert result["settings"]["plan"]["paths"] == ["fit", "fit-tf_keras"]
+    or tf_keras where Keras 3's fit fails under it): rows, baselines, the ratio, and
+    equal weights on every rank (the gradients were reduced)."""
+    result, stdout, _ = end_to_end
+    paths = result["settings"]["plan"]["paths"]
+    assert "fit" in paths and "fit-tf_keras" in paths
     batch = result["settings"]["plan"]["batch"]["loopback"]["mnist"]
-    rows = {r["impl"]: r for r in result["measurements"]}
+    rows = {r["impl"]: r for r in result["measurements"]
+            if r["impl"] in ("keras-ring", "keras-tf") and r["model"] == "mnist"}
     assert set(rows) == {"keras-ring", "keras-tf"}
     assert rows["keras-ring"]["path"] == "fit" and rows["keras-ring"]["keras"].startswith("keras 3")
     tf_row = rows["keras-tf"]
@@ -133,14 +144,12 @@ def test_end_to_end_quick_keras_fit_rows(tmp_path: Path) -> None:
     assert tf_row["keras"].startswith("tf_keras" if tf_row["path"] == "fit-tf_keras" else "keras 3")
     for impl, r in rows.items():
         assert result["runs"]["loopback"][impl]["2"]["status"] == "ok"
-        assert r["model"] == "mnist" and r["np"] == 2 and r["per_worker_batch"] == batch
+        assert r["np"] == 2 and r["per_worker_batch"] == batch
         assert r["examples_per_s"] == pytest.approx(r["global_batch"] / (r["step_ms"] / 1e3), rel=1e-2)
         assert set(r["rank_step_ms"]) == {"0", "1"}
         assert len(r["rank_step_ms"]["0"]) == result["settings"]["plan"]["steps"]["mnist"]
         assert r["weights_agree"] is True
         assert result["baselines"][f"mnist@{batch}"][r["path"]]["1"] > 0 and r["efficiency"] > 0
-    (ratio,) = [x for x in result["ratios"] if x["what"].startswith("keras-ring / keras-tf")]
+    (ratio,) = [x for x in result["ratios"] if x["what"].startswith("keras-ring / keras-tf") and x["model"] == "mnist"]
     assert ratio["value"] == pytest.approx(rows["keras-ring"]["examples_per_s"] / tf_row["examples_per_s"], rel=1e-2)
-    assert (tmp_path / "e2e.keras.png").stat().st_size > 0
-    assert "keras-ring / keras-tf" in proc.stdout
-
+    assert "keras-ring / keras-tf" in stdout

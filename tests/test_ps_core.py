@@ -14,6 +14,7 @@ from hostreduce.errors import AuthenticationError, CollectiveTimeoutError, Confi
 from hostreduce.ps import SGD, Adagrad, Adam, VarSpec, from_keras, locate, place, sum_duplicates
 from hostreduce.ps import checkpoint
 from hostreduce.ps import wire
+from hostreduce.ps.barrier import StepBarrier
 from ps_helpers import LocalCluster, keras_reference, max_rel, model_values, worker_grads
 
 pytestmark = pytest.mark.timeout(60)
@@ -237,6 +238,87 @@ def test_sync_straggler_is_named_and_a_stopped_ps_is_lost_within_timeout():
         with pytest.raises(PeerLostError, match=f"ps task 1 at '{cluster.addresses[1]}'"):
             c0.pull()
         assert time.monotonic() - t0 < 1.5
+    finally:
+        cluster.stop()
+
+
+def test_a_stopping_ps_fails_the_pushes_waiting_on_its_step_at_once():
+    """The chief ends the job while worker 1's push of step 1 waits for worker 0's: the
+    push fails at once (naming why), not when its 20 s wait ends, so the ps process can
+    exit; nothing of the step is applied."""
+    cluster = LocalCluster(1, 2, timeout_s=20.0)
+    try:
+        c0, c1 = cluster.client(0, timeout_s=20.0), cluster.client(1, timeout_s=20.0)
+        c0.register(model_values(), SGD(0.1))
+        c1.wait_ready()
+        failed: list[BaseException] = []
+        pusher = threading.Thread(target=lambda: _push_catching(c1, failed), daemon=True)
+        pusher.start()
+        deadline = time.monotonic() + 10
+        while not cluster.servers[0].barrier._parts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cluster.servers[0].barrier._parts, "worker 1's push never reached the barrier"
+        t0 = time.monotonic()
+        cluster.servers[0].stop()
+        pusher.join(5)
+        assert not pusher.is_alive() and time.monotonic() - t0 < 5, "the waiting push outlived the ps's stop"
+        assert failed and isinstance(failed[0], PeerLostError), failed
+        assert "ps task 0 stopped serving (the chief ended the job)" in str(failed[0]), failed
+        assert not _threads_in(StepBarrier.arrive), "a handler thread still waits in the barrier"
+        assert cluster.servers[0].store.step == 0
+    finally:
+        cluster.stop()
+
+
+def _threads_in(function) -> list[int]:
+    """The threads whose stack is inside ``function`` now."""
+    import sys
+
+    found = []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            if frame.f_code is function.__code__:
+                found.append(ident)
+                break
+            frame = frame.f_back
+    return found
+
+
+def _push_catching(client, failed: list) -> None:
+    try:
+        client.push(*worker_grads(1, 1), step=1)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        failed.append(e)
+
+
+class _SilentCall:
+    """A gRPC method whose calls never report their end (no done callback ever runs)."""
+
+    def future(self, request, timeout=None, metadata=None):
+        return self
+
+    def add_done_callback(self, fn) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(20)
+def test_a_call_whose_end_is_never_reported_fails_naming_the_ps(monkeypatch):
+    """The client's wait for the replies has its own limit (the deadline plus a grace),
+    so even a call gRPC never ends cannot block a worker forever."""
+    from hostreduce.ps import client as client_module
+
+    monkeypatch.setattr(client_module, "_GRACE_S", 0.3, raising=False)
+    cluster = LocalCluster(2, 1, timeout_s=0.5)
+    try:
+        c = cluster.client(0, timeout_s=0.5)
+        c._stubs[1] = dict(c._stubs[1], Info=_SilentCall())
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError, match=f"ps task 1 at '{cluster.addresses[1]}' did not answer Info"):
+            c.heartbeat()
+        assert time.monotonic() - t0 < 0.5 + 0.3 + 1.0
     finally:
         cluster.stop()
 

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .._files import fsync_path, replace_atomically, write_synced
 from ..errors import HostReduceError
 
 __all__ = ["CheckpointManager", "CheckpointError", "GLOBAL_STEP"]
@@ -55,21 +56,6 @@ class CheckpointError(HostReduceError):
     """A checkpoint could not be read or written."""
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _index_text(latest: str, kept: list[str]) -> bytes:
     """TensorFlow's ``CheckpointState`` text proto (paths relative to its directory)."""
     lines = [f"model_checkpoint_path: {json.dumps(latest)}"]
@@ -79,15 +65,7 @@ def _index_text(latest: str, kept: list[str]) -> bytes:
 
 def _write_index(directory: str, latest: str, kept: list[str]) -> None:
     """Replace ``directory/checkpoint`` atomically."""
-    tmp = os.path.join(directory, f".{_INDEX}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        _write_synced(tmp, _index_text(latest, kept))
-        os.replace(tmp, os.path.join(directory, _INDEX))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_path(directory)
+    replace_atomically(os.path.join(directory, _INDEX), _index_text(latest, kept))
 
 
 class CheckpointManager:
@@ -153,16 +131,16 @@ class CheckpointManager:
                 for suffix, data in files.items():
                     if not suffix.startswith(".") or "/" in suffix or os.sep in suffix:
                         raise CheckpointError(f"Input state of rank {rank}: invalid file suffix {suffix!r}")
-                    _write_synced(os.path.join(tmp, f"input-rank{int(rank)}{suffix}"), data)
-            _write_synced(os.path.join(tmp, _INDEX), _index_text(_VARIABLES, [_VARIABLES]))
+                    write_synced(os.path.join(tmp, f"input-rank{int(rank)}{suffix}"), data)
+            write_synced(os.path.join(tmp, _INDEX), _index_text(_VARIABLES, [_VARIABLES]))
             info = {"format": FORMAT_VERSION, "step": int(step), "names": names,
                     "input_ranks": sorted(int(r) for r in (inputs or {})), **dict(meta or {})}
-            _write_synced(os.path.join(tmp, _META), json.dumps(info).encode())
+            write_synced(os.path.join(tmp, _META), json.dumps(info).encode())
             for name in os.listdir(tmp):
-                _fsync_path(os.path.join(tmp, name))
-            _fsync_path(tmp)
+                fsync_path(os.path.join(tmp, name))
+            fsync_path(tmp)
             os.rename(tmp, final)
-            _fsync_path(self.model_dir)
+            fsync_path(self.model_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

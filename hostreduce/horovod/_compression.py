@@ -43,17 +43,19 @@ class NoneCompressor(Compressor):
         return tensor
 
 
-class FP16Compressor(Compressor):
-    """Send floating-point tensors as float16; other dtypes go as they are."""
+class _CastCompressor(Compressor):
+    """Send floating-point tensors wider than 16 bits as ``dtype``; other dtypes go as
+    they are."""
 
-    wire: ClassVar[str] = "fp16"
+    wire: ClassVar[str]
+    dtype: ClassVar[str]
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
         import tensorflow as tf
 
         if tensor.dtype.is_floating and tensor.dtype.size > 2:
-            return tf.cast(tensor, tf.float16), tensor.dtype
+            return tf.cast(tensor, getattr(tf, cls.dtype)), tensor.dtype
         return tensor, None
 
     @staticmethod
@@ -63,19 +65,19 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tf.cast(tensor, ctx)
 
 
-class BF16Compressor(FP16Compressor):
+class FP16Compressor(_CastCompressor):
+    """Send floating-point tensors as float16; other dtypes go as they are."""
+
+    wire: ClassVar[str] = "fp16"
+    dtype: ClassVar[str] = "float16"
+
+
+class BF16Compressor(_CastCompressor):
     """Send floating-point tensors as bfloat16 (hostreduce's extension: float32's range,
     8 bits of mantissa); other dtypes go as they are."""
 
     wire: ClassVar[str] = "bf16"
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        import tensorflow as tf
-
-        if tensor.dtype.is_floating and tensor.dtype.size > 2:
-            return tf.cast(tensor, tf.bfloat16), tensor.dtype
-        return tensor, None
+    dtype: ClassVar[str] = "bfloat16"
 
 
 class Compression:

@@ -3,7 +3,10 @@ all N have arrived, summed in rank order (so the bits do not depend on who came 
 and applied once; every worker's push returns only then, so its next pull sees step S.
 
 A worker that does not push within the wait fails the step for everyone waiting, with
-an error naming the missing ranks; nothing of that step is applied.
+an error naming the missing ranks; nothing of that step is applied. A ps that stops
+serving (the chief ended the job, or was lost) aborts the barrier: the pushes waiting
+on it fail at once instead of holding their handler threads, and so the ps process's
+exit, until their wait ends.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError, TensorMismatchError
+from ..errors import CollectiveTimeoutError, HostReduceError, PeerLostError, TensorMismatchError
 
 __all__ = ["StepBarrier", "Contribution"]
 
@@ -30,7 +33,8 @@ class StepBarrier:
         self._cond = threading.Condition()
         self._parts: dict[int, Contribution] = {}
         self._step: int | None = None
-        self._failed: dict[int, str] = {}        # step -> why it failed
+        self._failed: dict[int, HostReduceError] = {}  # step -> why it failed
+        self._aborted: HostReduceError | None = None
         self._done_step = -1
         self.last_seen: dict[int, float] = {}
 
@@ -40,8 +44,8 @@ class StepBarrier:
         with self._cond:
             self.last_seen[rank] = time.monotonic()
             expected = self._current() + 1
-            if step in self._failed:
-                raise CollectiveTimeoutError(self._failed[step])
+            if step in self._failed or self._aborted is not None:
+                raise _copy(self._failed.get(step) or self._aborted)
             if step != expected:
                 raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step}; the ps is at "
                                           f"step {expected - 1} and expects step {expected}")
@@ -63,7 +67,7 @@ class StepBarrier:
                     now = time.monotonic()
                     heard = ", ".join(f"worker {r} last heard {now - self.last_seen[r]:.1f} s ago"
                                       if r in self.last_seen else f"worker {r} never pushed" for r in missing)
-                    self._failed[step] = (
+                    self._failed[step] = CollectiveTimeoutError(
                         f"ps task {self.index}: step {step} timed out after {wait_s:.1f} s waiting for worker "
                         f"rank(s) {missing} ({heard}); a straggler or a lost worker. Nothing of step {step} "
                         "was applied")
@@ -72,7 +76,21 @@ class StepBarrier:
                     break
                 self._cond.wait(left)
             if step in self._failed:
-                raise CollectiveTimeoutError(self._failed[step])
+                raise _copy(self._failed[step])
+
+    def abort(self, why: str) -> None:
+        """Fail the step in progress and every later push: this ps stops serving
+        (``why``). Nothing of the step in progress is applied."""
+        with self._cond:
+            step = self._current() + 1
+            missing = sorted(set(range(self.num_workers)) - set(self._parts))
+            self._aborted = PeerLostError(f"ps task {self.index} stopped serving ({why})")
+            if self._parts:
+                self._failed[step] = PeerLostError(
+                    f"ps task {self.index} stopped serving ({why}) while step {step} waited for worker rank(s) "
+                    f"{missing}. Nothing of step {step} was applied")
+                self._parts = {}
+            self._cond.notify_all()
 
     def _sum(self, parts: dict[int, Contribution]) -> Contribution:
         dense: dict[str, np.ndarray] = {}
@@ -91,3 +109,9 @@ class StepBarrier:
             vals = np.concatenate([p[1] for p in pairs])
             out_rows[name] = (ids, vals * vals.dtype.type(self._scale) if self._scale != 1.0 else vals)
         return dense, out_rows
+
+
+def _copy(error: HostReduceError) -> HostReduceError:
+    """A fresh exception of the same class and message: each waiting thread raises its
+    own, so their tracebacks do not pile onto one object."""
+    return type(error)(str(error))

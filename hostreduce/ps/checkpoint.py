@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .._files import fsync_path, replace_atomically
 from ..errors import ConfigError
 from .placement import Placement, locate
 from .store import ITERATIONS
@@ -38,29 +39,12 @@ def shard_path(directory: str, step: int, m: int, num_ps: int) -> str:
     return os.path.join(_step_dir(directory, step), f"shard-{m}-of-{num_ps}.npz")
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, write: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
 def write_shard(directory: str, step: int, m: int, num_ps: int, arrays: Mapping[str, np.ndarray]) -> str:
     """Write ps ``m``'s arrays for ``step`` atomically; returns the file's path."""
     os.makedirs(_step_dir(directory, step), exist_ok=True)
+    fsync_path(directory)  # the new step directory's entry
     path = shard_path(directory, step, m, num_ps)
-    _atomic_write(path, lambda f: np.savez(f, **arrays))
+    replace_atomically(path, lambda f: np.savez(f, **arrays))
     return path
 
 
@@ -71,7 +55,7 @@ def publish_index(directory: str, step: int, placement: Placement, optimizer_con
     if missing:
         raise ConfigError(f"cannot publish ps checkpoint step {step}: shards of ps {missing} are not written")
     body = json.dumps({"step": step, "placement": placement.to_json(), "optimizer": optimizer_config}).encode()
-    _atomic_write(os.path.join(directory, INDEX), lambda f: f.write(body))
+    replace_atomically(os.path.join(directory, INDEX), body)
 
 
 def read_index(directory: str) -> dict[str, Any] | None:

@@ -28,6 +28,8 @@ from .rows import sum_duplicates
 
 __all__ = ["PSClient"]
 
+_GRACE_S = 5.0  # beyond a call's deadline, before its silence counts as the ps lost
+
 
 class PSClient:
     def __init__(self, ps_addresses: Sequence[str], rank: int, num_workers: int, secret: str, *,
@@ -86,17 +88,27 @@ class PSClient:
         """Every request of every ``(method, {ps: request})`` in flight at once (one
         round trip for all); the unpacked replies of each batch, by ps."""
         done: queue.SimpleQueue = queue.SimpleQueue()
-        calls = []
+        calls = {}
+        deadline_s = timeout or self.timeout_s
         for i, (method, requests) in enumerate(batches):
             for m, req in requests.items():
                 self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
-                fut = self._stubs[m][method].future(req, timeout=timeout or self.timeout_s, metadata=self._meta[m])
+                fut = self._stubs[m][method].future(req, timeout=deadline_s, metadata=self._meta[m])
                 fut.add_done_callback(lambda f, i=i, m=m: done.put((i, m, f)))
-                calls.append(fut)
+                calls[i, m] = fut
         out: list[dict[int, tuple[dict, list[np.ndarray]]]] = [{} for _ in batches]
+        # gRPC ends every call by its deadline; this bound only guards against a call
+        # whose end is never reported, so that no wait here is without a limit.
+        give_up = time.monotonic() + deadline_s + _GRACE_S
         try:
             for _ in range(len(calls)):
-                i, m, fut = done.get()
+                try:
+                    i, m, fut = done.get(timeout=max(0.0, give_up - time.monotonic()))
+                except queue.Empty:
+                    i, m = min(key for key in calls if key[1] not in out[key[0]])
+                    raise PeerLostError(f"Worker {self.rank}: ps task {m} at {self.addresses[m]!r} did not answer "
+                                        f"{batches[i][0]} within {deadline_s:g} s (the ps is hung or unreachable)"
+                                        ) from None
                 method = batches[i][0]
                 exc = fut.exception()
                 if exc is not None:
@@ -105,7 +117,7 @@ class PSClient:
                 self.bytes_received[method] = self.bytes_received.get(method, 0) + len(raw)
                 out[i][m] = wire.unpack(raw)
         finally:
-            for fut in calls:
+            for fut in calls.values():
                 fut.cancel()
         return out
 

@@ -55,16 +55,10 @@ class Gate:
         return admission.hello_reply(self._secret, self.me, rank, nonce, self._nonces.issue())
 
     def login(self, request: bytes, context: Any) -> bytes:
-        meta = dict(context.invocation_metadata())
-        try:
-            rank = int(meta.get("hr-rank", "-1"))
-        except ValueError:
-            rank = -1
-        nonce, proof = meta.get("hr-nonce", ""), meta.get("hr-proof", "")
-        valid = 0 <= rank < self.num_workers
-        if not (valid and self._nonces.redeem(nonce) and auth.verify(self._secret, "client", nonce, rank, self.me, proof)):
-            why = "wrong or missing shared secret" if valid else f"invalid rank {admission.short(meta.get('hr-rank'))}"
-            self._refuse(context, rank if valid else None, why, "UNAUTHENTICATED")
+        rank, why = admission.check_proof(dict(context.invocation_metadata()), self._secret, self._nonces, self.me,
+                                          lambda r: 0 <= r < self.num_workers)
+        if why is not None:
+            self._refuse(context, rank if rank >= 0 else None, why, "UNAUTHENTICATED")
         token = secrets.token_hex(16)
         with self._lock:
             self._sessions[token] = rank

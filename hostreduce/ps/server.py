@@ -100,6 +100,9 @@ class ParameterServer:
 
     def stop(self) -> None:
         self._done.set()
+        # Pushes still waiting for a step would hold their threads (and the process's
+        # exit) until their wait ends; no worker will complete that step now.
+        self.barrier.abort(self.failure or "the chief ended the job")
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
 

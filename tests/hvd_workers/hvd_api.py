@@ -19,6 +19,9 @@ GLOBAL_BATCH = 16
 STEPS = 3
 # (optimizer, sparse_as_dense) of the training runs.
 TRAININGS = (("sgd", False), ("adam", False), ("adam", True))
+# At 4 workers and under mpirun: the IndexedSlices path with Adam (the suite's time is
+# bounded).
+TRAININGS_SHORT = (("adam", False),)
 
 
 def _base(rank: int) -> np.ndarray:
@@ -230,14 +233,15 @@ def errors(rank: int, size: int) -> dict[str, str]:
     return out
 
 
-def rank_main(rank: int, size: int, with_streaming: bool = False, with_errors: bool = False) -> dict:
+def rank_main(rank: int, size: int, with_streaming: bool = False, with_errors: bool = False,
+              trainings: tuple = TRAININGS) -> dict:
     """What the spawned ranks (ring) run."""
     import hostreduce.horovod as hvd
 
     hvd.init()
     assert (hvd.rank(), hvd.size()) == (rank, size), (hvd.rank(), hvd.size())
     result: dict = {"checks": check_ops(rank, size)}
-    for optimizer, sparse_as_dense in TRAININGS:
+    for optimizer, sparse_as_dense in trainings:
         result[(optimizer, sparse_as_dense)] = train(rank, size, optimizer, sparse_as_dense)
     if with_streaming:
         result["timeline"] = streaming(rank, size)
@@ -255,7 +259,7 @@ def main(out_dir: str) -> None:
     rank, size = hvd.rank(), hvd.size()
     check_ops(rank, size)
     arrays = {}
-    for optimizer, sparse_as_dense in TRAININGS:
+    for optimizer, sparse_as_dense in TRAININGS_SHORT:
         for i, w in enumerate(train(rank, size, optimizer, sparse_as_dense)):
             arrays[f"{optimizer}_{int(sparse_as_dense)}_{i}"] = w
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)

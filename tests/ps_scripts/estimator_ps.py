@@ -21,8 +21,13 @@ parser.add_argument("--batch", type=int, default=16, help="per worker")
 parser.add_argument("--workers", type=int, default=2)
 parser.add_argument("--reference", action="store_true")
 parser.add_argument("--model-dir")
+parser.add_argument("--save-steps", type=int, default=3, help="save_checkpoints_steps")
+parser.add_argument("--keep", type=int, default=5, help="keep_checkpoint_max")
+parser.add_argument("--progress", action="store_true", help="log the Estimator's progress (as tf.estimator's INFO)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+if args.progress:
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
 
 
 def data():
@@ -69,7 +74,8 @@ if args.reference:
     config = hostreduce.RunConfig(fused_apply=False, model_dir=args.model_dir)
 else:
     strategy = hostreduce.ParameterServerStrategy(sync=True, shard_bytes=16_000)
-    config = hostreduce.RunConfig(train_distribute=strategy, model_dir=args.model_dir, save_checkpoints_steps=3)
+    config = hostreduce.RunConfig(train_distribute=strategy, model_dir=args.model_dir,
+                                   save_checkpoints_steps=args.save_steps, keep_checkpoint_max=args.keep)
 estimator = hostreduce.Estimator(model_fn, config=config)
 estimator.train(input_fn, max_steps=args.steps)
 rank = 0 if args.reference else estimator.strategy.rank

@@ -15,12 +15,12 @@ import json
 import logging
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import AuthenticationError, ClusterError
 from . import auth
 
-__all__ = ["short", "hello_request", "parse_hello", "hello_reply", "read_reply", "Refusals"]
+__all__ = ["short", "hello_request", "parse_hello", "hello_reply", "read_reply", "check_proof", "Refusals"]
 
 log = logging.getLogger("hostreduce.ring")
 
@@ -88,6 +88,24 @@ def read_reply(raw: bytes, secret: str, rank: int, peer: int, my_nonce: str, add
     proved = reply.get("rank") == peer and auth.verify(
         secret, "server", my_nonce, peer, rank, str(reply.get("proof", "")))
     return server_nonce, proved
+
+
+def check_proof(meta: dict[str, str], secret: str, nonces: auth.NonceBook, rank: int,
+                valid: Callable[[int], bool]) -> tuple[int, str | None]:
+    """The client rank claimed in a call's metadata (``hr-rank``, ``hr-nonce``,
+    ``hr-proof``) and why it is refused (None: it proved it is that rank of this job).
+    ``valid(claimed)`` says whether the claimed rank may connect to ``rank`` at all; a
+    claim that fails it is returned as -1."""
+    try:
+        claimed = int(meta.get("hr-rank", "-1"))
+    except ValueError:
+        claimed = -1
+    if not valid(claimed):
+        return -1, f"invalid rank {short(meta.get('hr-rank'))}"
+    nonce, proof = meta.get("hr-nonce", ""), meta.get("hr-proof", "")
+    if not (nonces.redeem(nonce) and auth.verify(secret, "client", nonce, claimed, rank, proof)):
+        return claimed, "wrong or missing shared secret"
+    return claimed, None
 
 
 class Refusals:

@@ -86,17 +86,10 @@ class Inbound:
     def _stream(self, frames: Iterator[bytes], context: Any) -> bytes:
         import grpc
 
-        meta = dict(context.invocation_metadata())
-        try:
-            src = int(meta.get("hr-rank", "-1"))
-        except ValueError:
-            src = -1
-        nonce, proof = meta.get("hr-nonce", ""), meta.get("hr-proof", "")
-        valid_rank = 0 <= src < self.size and src != self.rank
-        if not (valid_rank and self._nonces.redeem(nonce)
-                and auth.verify(self._secret, "client", nonce, src, self.rank, proof)):
-            why = "wrong or missing shared secret" if valid_rank else f"invalid rank {admission.short(src)}"
-            self._refuse(context.peer(), src if valid_rank else None, why)
+        src, why = admission.check_proof(dict(context.invocation_metadata()), self._secret, self._nonces, self.rank,
+                                         lambda r: 0 <= r < self.size and r != self.rank)
+        if why is not None:
+            self._refuse(context.peer(), src if src >= 0 else None, why)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"rank {self.rank}: {why}")
         with self._cond:
             self.incoming.add(src)
