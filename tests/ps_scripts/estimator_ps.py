@@ -74,6 +74,8 @@ estimator = hostreduce.Estimator(model_fn, config=config)
 estimator.train(input_fn, max_steps=args.steps)
 rank = 0 if args.reference else estimator.strategy.rank
 values = {k: v for k, v in estimator.get_variables().items() if v.dtype.kind == "f" and v.ndim >= 1}
+if not args.reference:  # get_variables pulls the sharded table from the ps: all do before the chief ends the job
+    estimator.strategy.reducer.barrier()
 np.savez(os.path.join(args.out, f"{'ref' if args.reference else rank}.npz"), **values)
 traffic = {} if args.reference else estimator.strategy.job.client.bytes_received
 print(f"DONE rank {rank}: step {estimator.global_step} pulled {sorted(traffic.items())}", flush=True)
