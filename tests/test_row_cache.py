@@ -107,3 +107,19 @@ def test_the_initial_value_is_an_ordinary_variables_and_computed_on_demand(api: 
     cache = getattr(cache, "_value", cache)
     assert callable(cache.initial)  # nothing computed until the chief registers the table
     np.testing.assert_array_equal(cache.initial_value_numpy(), np.asarray(variable))
+
+
+def test_only_trained_variables_the_ps_would_split_become_row_caches() -> None:
+    import tensorflow as tf
+
+    from hostreduce.host.variables import VariableStore
+
+    store = VariableStore()
+    store.shard_tables(2, 4000)
+    with store.scope():
+        tf.Variable(tf.zeros((ROWS, DIM)), name="table")
+        tf.Variable(tf.zeros((ROWS, DIM)), trainable=False, name="frozen")   # not on the ps
+        tf.Variable(tf.zeros((1, 2000)), name="wide")                        # fewer rows than ps
+        tf.Variable(tf.zeros((ROWS, DIM), tf.int32), name="ids")             # not a float table
+    assert list(store.row_caches()) == ["table"]
+    assert [k for k, _ in store.items()] == ["table", "frozen", "wide", "ids"]

@@ -125,7 +125,8 @@ class PSTrainProgram(_ProgramBase):
         for cache in caches:
             cache.looked_up = []
         _, tensors = self._model(features, labels)
-        out = {f"ids{i}": tensors[i].indices for i, s in enumerate(self.sparse) if s and self.keys[i] not in self.caches}
+        out = {f"ids{i}": tensors[i].indices for i, (key, s) in enumerate(zip(self.keys, self.sparse))
+               if s and key not in self.caches}
         for j, cache in enumerate(caches):  # the global ids the row caches were asked for
             if cache.looked_up:
                 out[f"lookups{j}"] = tf.concat([tf.reshape(ids, [-1]) for ids in cache.looked_up], axis=0)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ._patch import routed
 
-__all__ = ["RowCache", "Deferred", "row_cache", "keras_take", "deferred_keras_init"]
+__all__ = ["Deferred", "row_cache", "row_cache_type", "is_row_cache", "keras_take", "deferred_keras_init"]
 
 _SPARE = np.iinfo(np.int64).max
 
@@ -85,20 +85,17 @@ _CLASS: list[type] = []
 
 
 def row_cache_type() -> type:
+    """The ``RowCache`` class (defined on first use: it subclasses a TensorFlow class)."""
     if not _CLASS:
         _CLASS.append(_row_cache_class())
     return _CLASS[0]
-
-
-def RowCache(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 (a class, built on first use)
-    return row_cache_type()(*args, **kwargs)
 
 
 def is_row_cache(variable: Any) -> bool:
     return bool(_CLASS) and isinstance(getattr(variable, "_value", variable), _CLASS[0])
 
 
-def row_cache(full_shape: tuple[int, ...], dtype: Any, initial: Any, name: str, trainable: bool = True) -> Any:
+def row_cache(full_shape: tuple[int, ...], dtype: Any, initial: Any, name: str) -> Any:
     """A :class:`RowCache` for a table of ``full_shape`` (created eagerly, on the host)."""
     import tensorflow as tf
     from tensorflow.python.ops import resource_variable_ops
@@ -108,8 +105,8 @@ def row_cache(full_shape: tuple[int, ...], dtype: Any, initial: Any, name: str, 
     with tf.init_scope(), tf.device("/CPU:0"):
         keys = resource_variable_ops.ResourceVariable(np.array([_SPARE], np.int64), shape=tf.TensorShape([None]),
                                                       trainable=False, name=f"{name}_rows")
-        cache = RowCache(initial_value=tf.zeros((1,) + tuple(full_shape[1:]), dtype),
-                         shape=tf.TensorShape([None] + list(full_shape[1:])), trainable=trainable, name=name)
+        cache = row_cache_type()(initial_value=tf.zeros((1,) + tuple(full_shape[1:]), dtype),
+                         shape=tf.TensorShape([None] + list(full_shape[1:])), trainable=True, name=name)
     cache._init_cache(tuple(int(d) for d in full_shape), initial, keys)
     return cache
 

@@ -164,7 +164,9 @@ class VariableStore:
         from ..ps.placement import is_sharded
         from .rowcache import row_cache
 
-        if self._shard is None or set(kwargs.get("collections") or ()) & _LOCAL_COLLECTIONS:
+        # Only trained variables are on the ps; a frozen table stays whole on the worker.
+        if (self._shard is None or kwargs.get("trainable") is False
+                or set(kwargs.get("collections") or ()) & _LOCAL_COLLECTIONS):
             return None
         shape = _requested_shape(kwargs)
         value = kwargs.get("initial_value")
@@ -176,8 +178,7 @@ class VariableStore:
             return None
         # A callable initial value (Keras's Deferred, tf_keras's and tf.compat.v1's
         # initializers) is computed later, on the chief only.
-        return row_cache(tuple(shape.as_list()), dtype.base_dtype, value, key.replace("/", "_"),
-                         trainable=kwargs.get("trainable", True) is not False)
+        return row_cache(tuple(shape.as_list()), dtype.base_dtype, value, key.replace("/", "_"))
 
 
 def _requested_shape(kwargs: dict[str, Any]) -> Any:
