@@ -1,7 +1,7 @@
 """With parameter servers a worker never holds a whole copy of an embedding table the
 ps shard by rows: 2 ps + 2 workers train a 1M x 64 float32 table (256 MiB) with Adam,
-and each worker's resident memory stays far below one table while each ps holds its
-half of the table and its Adam slots."""
+and each worker's resident memory stays far below one table, while it trains and while
+it evaluates afterwards, as each ps holds its half of the table and its Adam slots."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,7 @@ def test_workers_hold_no_full_copy_of_a_sharded_table(tmp_path: Path) -> None:
     bound = TABLE // 4
     for name in ("chief0", "worker0"):
         m = seen[name]
-        assert m["samples"] > 10, report  # sampled while it trained
+        assert m["samples"] > 10, report  # sampled while it trained and evaluated
         assert m["training"] - m["baseline"] < bound, (name, report)
     # The chief computes the table's initial value once, to register it on the ps;
     # the other worker never does, so its peak is honest for the whole run.

@@ -116,8 +116,6 @@ class Estimator:
     def _program(self, mode: str, element_spec: Any) -> Any:
         from .programs import relaxed_signature
 
-        if mode != ModeKeys.TRAIN and self._ckpt.ps is not None:  # evaluation and prediction read the tables whole
-            self._ckpt.ps.fill_tables()
         self._features_spec = relaxed_signature(element_spec)[0]
         signature = repr(relaxed_signature(element_spec))
         cached = self._programs.get(mode)
@@ -139,6 +137,7 @@ class Estimator:
         else:
             program = PredictProgram(*args)
         self._excluded_keys.update(self._store.local_keys(), self._store.row_caches())  # the ps hold the tables
+        program.feeder = self._ckpt.ps.feed if self._ckpt.ps is not None and mode != ModeKeys.TRAIN else None
         self._programs[mode] = (signature, program)
         self._sync_variables()
         if isinstance(program, PSTrainProgram):  # the variables now live on the ps

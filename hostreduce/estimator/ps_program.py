@@ -15,9 +15,10 @@ values, and that optimizer on the ps. Each step then:
 
 A table the ps shard by rows is, on a worker, a row cache (``host/rowcache.py``) that
 holds the batch's rows only: step 1 fills it, the lookups in the step read it, and the
-gradient's cache slots are turned back into global row ids before the push. Its initial
-value is computed once, on the chief, to register it; no worker ever holds it whole
-while training.
+gradient's cache slots are turned back into global row ids before the push; evaluation
+and prediction on a worker fill it the same way (:meth:`PSTrainProgram.feed`). Its
+initial value is computed once, on the chief, to register it; no worker holds it whole
+unless ``get_variables()`` asks for it.
 
 The worker's other TF variables are a copy: checkpoints and the end of ``train()`` pull
 them whole first, so evaluation, prediction and the chief's checkpoint see the ps's
@@ -187,11 +188,24 @@ class PSTrainProgram(_ProgramBase):
         """The sharded tables, whole, from the ps (a full copy each: asked for explicitly)."""
         return self.strategy.job.client.pull(list(self.caches)) if self.caches else {}
 
-    def fill_tables(self) -> None:
-        """Every row of every sharded table into its row cache, for evaluation and
-        prediction (which then hold each table whole until the next training step)."""
-        for key, value in self.pull_tables().items():
-            self.caches[key].fill(np.arange(len(value), dtype=np.int64), value)
+    def feed(self, program: Any, features: Any, labels: Any) -> None:
+        """Before ``program`` (evaluation, prediction) runs on a batch: the rows it looks up
+        into the row caches, pulled from the ps as a training step does."""
+        if self.caches:
+            found = program.lookups(list(self.caches.values()))(features, labels)
+            self._fill({key: np.unique(np.asarray(found[f"lookups{j}"], np.int64))
+                        for j, key in enumerate(self.caches)})
+
+    def _fill(self, ids: dict[str, np.ndarray]) -> None:
+        """The rows at ``ids`` (sorted, distinct) from the ps into the row caches, or into
+        the worker's variable of a table it holds whole."""
+        import tensorflow as tf
+
+        for key, value in self.strategy.job.client.pull_rows(ids).items():
+            if key in self.caches:
+                self.caches[key].fill(ids[key], value)
+            else:
+                self._vars[key].scatter_update(tf.IndexedSlices(value, ids[key]))
 
     def finish(self) -> None:
         """End of ``train()``: this worker's variables hold the ps's values, and every
@@ -214,8 +228,6 @@ class PSTrainProgram(_ProgramBase):
     # -- one step --------------------------------------------------------------------
     def run(self, features: Any, labels: Any, timeout: float | None = None) -> float:
         """One training step; returns this worker's loss."""
-        import tensorflow as tf
-
         client = self.strategy.job.client
         if self.ids_function is not None:
             found = self._call(self.ids_function, features, labels)
@@ -225,12 +237,7 @@ class PSTrainProgram(_ProgramBase):
                 if name in found:
                     ids[key] = np.unique(np.concatenate([ids.get(key, np.zeros(0, np.int64)),
                                                          np.asarray(found[name], np.int64).reshape(-1)]))
-            rows = client.pull_rows(ids)
-            for key, value in rows.items():
-                if key in self.caches:
-                    self.caches[key].fill(ids[key], value)
-                else:
-                    self._vars[key].scatter_update(tf.IndexedSlices(value, ids[key]))
+            self._fill(ids)
         dense = [k for k, s in zip(self.keys, self.sparse) if not s]
         if dense:
             for key, value in client.pull(dense).items():

@@ -2,8 +2,8 @@
 as every task (roles from ``TF_CONFIG``): each task samples its resident memory
 (``VmRSS`` of ``/proc/self/status``) and writes what it saw to ``--out/<task>.json``:
 ``baseline`` (a worker: TensorFlow imported and running, before the model is built; a
-ps: before it serves), ``training`` (a worker: the largest sample once the first step
-is done), ``hwm`` (``VmHWM`` at the end) and ``last``. The ps tasks serve without
+ps: before it serves), ``training`` (a worker: the largest sample from the end of the
+first step through an evaluation after training), ``hwm`` (``VmHWM`` at the end) and ``last``. The ps tasks serve without
 importing TensorFlow, which they do not need, so the job starts sooner."""
 import argparse
 import atexit
@@ -99,6 +99,8 @@ def model_fn(features, labels, mode):
     dense = keras.layers.Dense(1, name="out")
     pred = dense(tf.reduce_mean(emb(features), axis=1))
     loss = tf.reduce_mean(tf.square(pred - labels))
+    if mode != hostreduce.ModeKeys.TRAIN:
+        return hostreduce.EstimatorSpec(mode, loss=loss)
     optimizer = keras.optimizers.Adam(0.01)
     variables = emb.trainable_variables + dense.trainable_variables
     grads = hostreduce.compute_gradients(loss, variables)
@@ -116,5 +118,6 @@ def hook(step, loss):
 
 estimator = hostreduce.Estimator(model_fn, config=hostreduce.RunConfig(train_distribute=strategy))
 estimator.train(input_fn, max_steps=args.steps, hooks=[hook])
+results = estimator.evaluate(input_fn, steps=3)  # reads the table's rows from the ps as training does
 meter.training = False
-print(f"DONE {NAME}: step {estimator.global_step}", flush=True)
+print(f"DONE {NAME}: step {estimator.global_step} eval loss {results['loss']:.4f}", flush=True)
