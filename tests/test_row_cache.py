@@ -123,3 +123,20 @@ def test_only_trained_variables_the_ps_would_split_become_row_caches() -> None:
         tf.Variable(tf.zeros((ROWS, DIM), tf.int32), name="ids")             # not a float table
     assert list(store.row_caches()) == ["table"]
     assert [k for k, _ in store.items()] == ["table", "frozen", "wide", "ids"]
+
+
+def test_a_model_reading_a_row_cache_is_not_exported(tmp_path) -> None:
+    import tensorflow as tf
+
+    from hostreduce.errors import ConfigError
+    from hostreduce.estimator.export import write_saved_model
+    from hostreduce.host.variables import VariableStore
+
+    store = VariableStore()
+    store.shard_tables(2, 4000)
+    with store.scope():
+        table = tf.Variable(tf.zeros((ROWS, DIM)), name="table")
+    predict = tf.function(lambda ids: tf.gather(table, ids), autograph=False)
+    with pytest.raises(ConfigError, match="row-cached tables"):
+        write_saved_model(predict, tf.TensorSpec([None], tf.int64), [], str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
