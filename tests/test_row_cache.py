@@ -140,3 +140,23 @@ def test_a_model_reading_a_row_cache_is_not_exported(tmp_path) -> None:
     with pytest.raises(ConfigError, match="row-cached tables"):
         write_saved_model(predict, tf.TensorSpec([None], tf.int64), [], str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_keras_take_on_a_row_cache_reads_rows_only() -> None:
+    import keras
+    import tensorflow as tf
+
+    from hostreduce.errors import SpecError
+    from hostreduce.host.variables import VariableStore
+
+    store = VariableStore()
+    store.shard_tables(2, 4000)
+    with store.scope():
+        emb = keras.layers.Embedding(ROWS, DIM, name="emb")
+        emb.build()
+        cache = emb.embeddings._value
+        cache.fill(np.array([5, 9]), np.array([[1.0] * DIM, [2.0] * DIM], np.float32))
+        np.testing.assert_array_equal(keras.ops.take(emb.embeddings, tf.constant([9, 5, 9]), axis=0).numpy()[:, 0],
+                                      [2.0, 1.0, 2.0])
+        with pytest.raises(SpecError, match="only by rows"):
+            keras.ops.take(emb.embeddings, tf.constant([1]), axis=1)

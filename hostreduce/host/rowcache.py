@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..errors import SpecError
 from ._patch import routed
 
 __all__ = ["Deferred", "row_cache", "row_cache_type", "is_row_cache", "keras_take", "deferred_keras_init"]
@@ -117,9 +118,13 @@ def keras_take(original: Any, x: Any, indices: Any, axis: Any = None) -> Any:
     import tensorflow as tf
 
     value = getattr(x, "_value", x)
-    if is_row_cache(value) and axis == 0 and not isinstance(indices, (tf.SparseTensor, tf.RaggedTensor)):
-        return value.sparse_read(indices)
-    return original(x, indices, axis=axis)
+    if not is_row_cache(value):
+        return original(x, indices, axis=axis)
+    if axis != 0 or isinstance(indices, (tf.SparseTensor, tf.RaggedTensor)):
+        raise SpecError(f"A table the parameter servers split by rows ({value.name!r}, shape {list(value.full_shape)}) "
+                        "can be read on a worker only by rows: `ops.take(table, dense_ids, axis=0)`, as Embedding "
+                        f"does. Received: axis={axis!r}, indices of type {type(indices).__name__}")
+    return value.sparse_read(indices)
 
 
 def _deferred_init(original: Any, variable: Any, initializer: Any) -> None:
