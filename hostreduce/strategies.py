@@ -230,7 +230,9 @@ class ParameterServerStrategy(Strategy):
             result of all-reduce training on the global batch); False: each worker's
             gradients are applied as they arrive.
         shard_bytes: variables of at least this many bytes are split by rows over every
-            ps; smaller ones are placed whole, balanced by bytes.
+            ps; smaller ones are placed whole, balanced by bytes. A worker never holds a
+            split table whole: it caches the rows of its batch (it must be read only
+            through row lookups, e.g. an ``Embedding`` layer).
         timeout_s: the longest wait for a ps, or (sync) for another worker's gradients
             of a step (default ``HOSTREDUCE_TIMEOUT_S``).
         sparse: how momentum and Adam update an embedding's rows: ``"keras"`` (exactly

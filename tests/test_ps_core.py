@@ -338,6 +338,13 @@ def test_checkpoint_restores_onto_three_ps_and_a_crash_before_publish_keeps_the_
         c._call("Save", {m: wire.pack({"dir": d, "step": 2}) for m in range(2)})
         assert checkpoint.read_index(d)["step"] == 1
         after2 = c.pull()
+        # A worker's checkpoint leaves the sharded tables to the ps shards: they are read
+        # whole from the shards of any step still on disk, and only the sharded ones.
+        for step, want in ((1, saved), (2, after2)):
+            tables = checkpoint.load_tables(d, step, list(saved))
+            assert list(tables) == ["emb"]
+            np.testing.assert_array_equal(tables["emb"], want["emb"])
+        assert checkpoint.load_tables(d, 3, list(saved)) == {}
     finally:
         two.stop()
     three = LocalCluster(3, 1)

@@ -2,9 +2,11 @@
 process started by hand with ``TF_CONFIG`` (the same script on ps and workers): sync
 training of a dense layer and an embedding on 2 ps + 2 workers equals one process
 training on the global batch (SGD; Adam through a resumed job, whose second half also
-needs the ps's slots back from the checkpoint), and every process ends with status 0."""
+needs the ps's slots back from the checkpoint), so does evaluating afterwards, and every
+process ends with status 0."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +27,23 @@ STEPS = "6"
 @pytest.mark.timeout(300)
 def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
     optimizer = "sgd"  # Adam: the resumed job below
-    args = ["--out", str(tmp_path), "--optimizer", optimizer, "--steps", STEPS, "--model-dir", str(tmp_path / "m")]
+    args = ["--out", str(tmp_path), "--optimizer", optimizer, "--steps", STEPS, "--model-dir", str(tmp_path / "m"),
+            "--evaluate"]
     tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"))
     output = "\n".join(f"--- {name} ---\n{w.output}" for name, w in tasks.items())
     assert {name: w.returncode for name, w in tasks.items()} == dict.fromkeys(tasks, 0), output
     reference = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(tmp_path),
-                                "--optimizer", optimizer, "--steps", STEPS], env=base_env(), cwd=str(ROOT),
-                               capture_output=True, text=True, timeout=120)
+                                "--optimizer", optimizer, "--steps", STEPS, "--evaluate"], env=base_env(),
+                               cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert reference.returncode == 0, reference.stderr[-3000:]
+    # evaluation after training reads the ps's table (the workers hold only rows of it)
+    want = re.search(r"EVAL rank 0: loss (\S+) mse (\S+)", reference.stdout)
+    assert want is not None, reference.stdout[-2000:]
+    for name, rank in (("chief", 0), ("worker1", 1)):
+        got = re.search(rf"EVAL rank {rank}: loss (\S+) mse (\S+)", tasks[name].output)
+        assert got is not None, output
+        for g, w in zip(got.groups(), want.groups()):
+            assert abs(float(g) - float(w)) <= 1e-5 * abs(float(w)), (name, got.groups(), want.groups())
     ref = np.load(tmp_path / "ref.npz")  # also holds the reference's optimizer slots
     for rank in (0, 1):
         got = np.load(tmp_path / f"{rank}.npz")
@@ -47,6 +58,16 @@ def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
     index = checkpoint.read_index(str(tmp_path / "m" / "ps"))
     assert index is not None and index["step"] == int(STEPS), output
     assert index["optimizer"]["name"] == optimizer
+    # one process without ps restoring that checkpoint finds the table in the ps shards
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    again = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(restored), "--steps", STEPS,
+                            "--model-dir", str(tmp_path / "m")], env=base_env(), cwd=str(ROOT),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    got, want = np.load(restored / "ref.npz"), np.load(tmp_path / "0.npz")
+    for name in want.files:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 @pytest.mark.timeout(400)

@@ -8,6 +8,7 @@ the same steps, the chief's settings and clock deciding, so a worker without a
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Mapping
 
@@ -17,7 +18,19 @@ from .checkpoint import CheckpointManager
 from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
 from .progress import logger, progress
 
-__all__ = ["Checkpointing"]
+__all__ = ["Checkpointing", "with_ps_tables"]
+
+
+def with_ps_tables(files: CheckpointManager, step: int, arrays: dict[str, np.ndarray], keys: list[str]
+                   ) -> dict[str, np.ndarray]:
+    """``arrays`` (a checkpoint's) and, for ``keys`` it lacks, the tables the ps shard by
+    rows, read whole from the ps shards of ``step`` beside it (an evaluator, a job run
+    without parameter servers from a ps job's checkpoint)."""
+    from ..ps.checkpoint import load_tables
+    from .ps_program import PS_DIR
+
+    missing = [k for k in keys if k not in arrays]
+    return {**arrays, **load_tables(os.path.join(files.model_dir, PS_DIR), step, missing)} if missing else arrays
 
 
 class Checkpointing:
@@ -48,6 +61,7 @@ class Checkpointing:
         if latest is None:
             return None
         step, arrays, _ = self.files.load(latest[1])  # type: ignore[union-attr]
+        arrays = with_ps_tables(self.files, step, arrays, [k for k, _ in variables])  # type: ignore[arg-type]
         restored = 0
         for key, var in variables:
             if key in arrays:

@@ -15,7 +15,7 @@ from ..timeline import Timeline, timeline_dir_from_env
 from .checkpoint import CheckpointManager
 from .checkpointing import Checkpointing
 from .export import features_spec, write_saved_model
-from .inputs import batch_size, call_input_fn, check_model_fn, split_element, without_autotune_thread
+from .inputs import batch_size, call_input_fn, check_model_fn, check_steps, split_element, without_autotune_thread
 from .mode_keys import ModeKeys
 from .progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
@@ -25,11 +25,6 @@ from .run_config import RunConfig, set_random_seed
 from .summaries import SummaryWriter
 
 __all__ = ["Estimator"]
-
-
-def _check_steps(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ConfigError(f"`{name}` must be an integer >= 0 or None. Received: {name}={value!r}")
 
 
 class Estimator:
@@ -103,7 +98,12 @@ class Estimator:
         raise ConfigError(f"`name` must be one of get_variable_names(). Received: name={name!r}")
 
     def get_variables(self) -> dict[str, np.ndarray]:
-        """Every model and optimizer variable (not evaluation metrics) by name."""
+        """Every model and optimizer variable (not evaluation metrics) by name; with
+        parameter servers, the tables they shard are pulled from them whole (call it
+        while the job runs)."""
+        return {**self._own_variables(), **(self._ckpt.ps.pull_tables() if self._ckpt.ps else {})}
+
+    def _own_variables(self) -> dict[str, np.ndarray]:
         return {k: v.numpy() for k, v in self._store.items() if k not in self._excluded_keys}
 
     def latest_checkpoint(self) -> str | None:
@@ -136,7 +136,8 @@ class Estimator:
                 self._excluded_keys.update(filter(None, (self._store.key_of(v) for v in metric.variables)))
         else:
             program = PredictProgram(*args)
-        self._excluded_keys.update(self._store.local_keys())
+        self._excluded_keys.update(self._store.local_keys(), self._store.row_caches())  # the ps hold the tables
+        program.feeder = self._ckpt.ps.feed if self._ckpt.ps is not None and mode != ModeKeys.TRAIN else None
         self._programs[mode] = (signature, program)
         self._sync_variables()
         if isinstance(program, PSTrainProgram):  # the variables now live on the ps
@@ -172,7 +173,7 @@ class Estimator:
     # -- checkpoints -----------------------------------------------------------
     def _save(self, input_ended: bool = False) -> None:
         """Checkpoint the current step (every worker calls this at the same steps)."""
-        self._ckpt.save(self._global_step, self.get_variables, input_ended)
+        self._ckpt.save(self._global_step, self._own_variables, input_ended)
 
     # -- train -----------------------------------------------------------------
     def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,
@@ -196,8 +197,8 @@ class Estimator:
         (``input_fn`` must build the same pipeline). The chief logs progress on the
         ``hostreduce.estimator`` logger (level INFO).
         """
-        _check_steps("steps", steps)
-        _check_steps("max_steps", max_steps)
+        check_steps("steps", steps)
+        check_steps("max_steps", max_steps)
         if steps is not None and max_steps is not None:
             raise ConfigError(f"Give `steps` or `max_steps`, not both. Received: steps={steps}, max_steps={max_steps}")
         check_can_train(self._strategy)  # a ps task serves here instead
@@ -279,7 +280,7 @@ class Estimator:
         state (so they equal the metric over all batches of all workers), plain tensors
         by averaging over all batches of all workers.
         """
-        _check_steps("steps", steps)
+        check_steps("steps", steps)
         strategy = self._strategy
         dataset = self._dataset(input_fn, ModeKeys.EVAL)
         program = self._program(ModeKeys.EVAL, dataset.element_spec)

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import ConfigError
+from ..host.rowcache import is_row_cache
 
 __all__ = ["features_spec", "write_saved_model"]
 
@@ -65,6 +66,11 @@ def write_saved_model(predict: Callable[[Any], Any], spec: Any, variables: list[
     module = tf.Module()
     module.model_variables = list(variables)
     module.serve = tf.function(serve, input_signature=signature, autograph=False)
+    if any(is_row_cache(v) for v in module.serve.get_concrete_function().variables):
+        raise ConfigError("export_saved_model cannot export a model whose tables the parameter servers split by "
+                          "rows from a training task (it holds only some rows of them). Export from a process "
+                          "without parameter servers that restores the checkpoint (it reads the tables from the ps "
+                          "shards). Received: a model with row-cached tables")
     base = os.fspath(export_dir_base)
     os.makedirs(base, exist_ok=True)
     stamp = int(time.time())

@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from ..errors import SpecError
+from ..errors import ConfigError, SpecError
 
-__all__ = ["batch_size", "call_input_fn", "call_model_fn", "check_model_fn", "split_element", "without_autotune_thread"]
+__all__ = ["batch_size", "call_input_fn", "call_model_fn", "check_model_fn", "check_steps", "split_element",
+           "without_autotune_thread"]
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 
@@ -73,6 +74,11 @@ def call_input_fn(input_fn: Callable[..., Any], mode: str, input_context: Any, p
             f"Received: {type(dataset).__name__}"
         )
     return dataset
+
+
+def check_steps(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConfigError(f"`{name}` must be an integer >= 0 or None. Received: {name}={value!r}")
 
 
 def split_element(element: Any, mode: str) -> tuple[Any, Any]:

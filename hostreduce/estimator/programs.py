@@ -94,6 +94,8 @@ class _ProgramBase:
         self.signature = relaxed_signature(element_spec)
         self.has_labels = self.signature[1] is not None
         self.spec: EstimatorSpec | None = None
+        self.feeder: Callable[..., None] | None = None  # with ps: fills the row caches a batch reads
+        self._lookups: Callable[..., Any] | None = None
 
     def _call_model_fn(self, features: Any, labels: Any) -> EstimatorSpec:
         strategy = getattr(self, "strategy", None)
@@ -116,7 +118,35 @@ class _ProgramBase:
         return function
 
     def call(self, features: Any, labels: Any) -> Any:
+        if self.feeder is not None:
+            self.feeder(self, features, labels)
         return self.function(features, labels) if self.has_labels else self.function(features)
+
+    def lookups(self, caches: list[Any]) -> Callable[..., Any]:
+        """A function of a batch (``features`` then ``labels``, flattened) to the global ids
+        this mode's ``model_fn`` looks up in each of ``caches`` (``lookups<j>``). Traced
+        as a TF1-style graph and pruned to those ids, so nothing else of the step runs
+        (``tf.function`` would run every variable update in it, metrics' included)."""
+        if self._lookups is None:
+            import tensorflow as tf
+
+            def lookups(features: Any, labels: Any = None) -> dict[str, Any]:
+                for cache in caches:
+                    cache.looked_up = []
+                spec = self.spec
+                with self.store.scope():
+                    self._call_model_fn(features, labels)
+                self.spec = spec  # the metrics of the step's own trace stay the ones read
+                return {f"lookups{j}": tf.concat([tf.reshape(i, [-1]) for i in c.looked_up], axis=0)
+                        if c.looked_up else tf.zeros([0], tf.int64) for j, c in enumerate(caches)}
+
+            signature = list(self.signature) if self.has_labels else [self.signature[0]]
+            wrapped = tf.compat.v1.wrap_function(lookups, signature=signature)
+            feeds = wrapped.inputs[:len(tf.nest.flatten(signature))]
+            pruned = wrapped.prune(feeds=feeds, fetches=wrapped.structured_outputs)
+            self._lookups = lambda features, labels: pruned(
+                *tf.nest.flatten([features, labels] if self.has_labels else [features]))
+        return self._lookups
 
 
 class TrainProgram(_ProgramBase):

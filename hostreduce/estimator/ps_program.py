@@ -13,10 +13,18 @@ values, and that optimizer on the ps. Each step then:
 3. pushes the gradients, an embedding's as (indices, rows), and waits (sync) until the
    ps applied the step.
 
-The worker's TF variables are a cache: checkpoints and the end of ``train()`` pull every
-variable whole first, so evaluation, prediction and the chief's checkpoint see the ps's
+A table the ps shard by rows is, on a worker, a row cache (``host/rowcache.py``) that
+holds the batch's rows only: step 1 fills it, the lookups in the step read it, and the
+gradient's cache slots are turned back into global row ids before the push; evaluation
+and prediction on a worker fill it the same way (:meth:`PSTrainProgram.feed`). Its
+initial value is computed once, on the chief, to register it; no worker holds it whole
+unless ``get_variables()`` asks for it.
+
+The worker's other TF variables are a copy: checkpoints and the end of ``train()`` pull
+them whole first, so evaluation, prediction and the chief's checkpoint see the ps's
 values. The ps shards (values, slots) are saved with the chief's checkpoint: shards
-first, then the checkpoint, then the ps index, so a restore finds both of one step.
+first, then the checkpoint, then the ps index, so a restore finds both of one step;
+the sharded tables are in the ps shards only.
 """
 from __future__ import annotations
 
@@ -54,9 +62,23 @@ class PSTrainProgram(_ProgramBase):
         self._model_dir: str | None = None
         self._keep = 3
         self._optimizers: list[Any] = []
+        self.store.shard_tables(len(strategy.cluster.ps_addresses), strategy.shard_bytes)
         self.function = self._trace(self._step)
+        self.caches = self.store.row_caches()
+        self._check_caches()
         self.ids_function = self._trace(self._ids) if any(self.sparse) else None
         self.optimizer_config = host_optimizer_config(self._optimizers, strategy.sparse)
+
+    def _check_caches(self) -> None:
+        sparse = {k for k, s in zip(self.keys, self.sparse) if s}
+        for key, cache in self.caches.items():
+            if key not in sparse:
+                how = "is not trained through `host_call`" if key not in self.keys else "receives a dense gradient"
+                raise SpecError(
+                    f"Variable {key!r} of shape {list(cache.full_shape)} is split by rows over the parameter servers "
+                    f"(it has at least shard_bytes={self.strategy.shard_bytes} bytes), so a worker reads only its "
+                    f"rows, through row lookups (tf.gather, tf.nn.embedding_lookup, Embedding layers); it {how}. "
+                    "Raise `shard_bytes` of ParameterServerStrategy to keep it whole")
 
     # -- tracing ---------------------------------------------------------------------
     def _model(self, features: Any, labels: Any) -> tuple[Any, list[Any]]:
@@ -98,8 +120,18 @@ class PSTrainProgram(_ProgramBase):
         return outputs
 
     def _ids(self, features: Any, labels: Any) -> dict[str, Any]:
+        import tensorflow as tf
+
+        caches = list(self.caches.values())
+        for cache in caches:
+            cache.looked_up = []
         _, tensors = self._model(features, labels)
-        return {f"ids{i}": tensors[i].indices for i, s in enumerate(self.sparse) if s}
+        out = {f"ids{i}": tensors[i].indices for i, (key, s) in enumerate(zip(self.keys, self.sparse))
+               if s and key not in self.caches}
+        for j, cache in enumerate(caches):  # the global ids the row caches were asked for
+            if cache.looked_up:
+                out[f"lookups{j}"] = tf.concat([tf.reshape(ids, [-1]) for ids in cache.looked_up], axis=0)
+        return out
 
     def _call(self, function: Any, features: Any, labels: Any) -> Any:
         return function(features, labels) if self.has_labels else function(features)
@@ -113,10 +145,14 @@ class PSTrainProgram(_ProgramBase):
         self._model_dir, self._keep = model_dir, keep
         client = strategy.job.client
         if strategy.is_chief:
-            values = {key: self._vars[key].numpy() for key in self.keys}
+            values = {key: self.caches[key].initial_value_numpy() if key in self.caches else self._vars[key].numpy()
+                      for key in self.keys}
             client.register(values, self.optimizer_config, shard_bytes=strategy.shard_bytes, step=global_step)
+            del values
             if global_step and model_dir:
                 self._restore_shards(global_step)
+        for cache in self.caches.values():
+            cache.initial = None  # the ps hold the table now
         step = np.array([client.info()["step"] if strategy.is_chief else 0], np.int64)
         if strategy.size > 1:
             step = strategy.reducer.broadcast("hostreduce.ps.step", step, root=0)
@@ -142,10 +178,34 @@ class PSTrainProgram(_ProgramBase):
                            "variables with fresh optimizer slots", step, directory)
 
     def pull_all(self) -> None:
-        """Every variable on the ps, whole, into this worker's TF variables."""
-        values = self.strategy.job.client.pull(self.keys)
+        """Every variable on the ps but the sharded tables, whole, into this worker's TF
+        variables."""
+        values = self.strategy.job.client.pull([k for k in self.keys if k not in self.caches])
         for key, value in values.items():
             self._vars[key].assign(value)
+
+    def pull_tables(self) -> dict[str, np.ndarray]:
+        """The sharded tables, whole, from the ps (a full copy each: asked for explicitly)."""
+        return self.strategy.job.client.pull(list(self.caches)) if self.caches else {}
+
+    def feed(self, program: Any, features: Any, labels: Any) -> None:
+        """Before ``program`` (evaluation, prediction) runs on a batch: the rows it looks up
+        into the row caches, pulled from the ps as a training step does."""
+        if self.caches:
+            found = program.lookups(list(self.caches.values()))(features, labels)
+            self._fill({key: np.unique(np.asarray(found[f"lookups{j}"], np.int64))
+                        for j, key in enumerate(self.caches)})
+
+    def _fill(self, ids: dict[str, np.ndarray]) -> None:
+        """The rows at ``ids`` (sorted, distinct) from the ps into the row caches, or into
+        the worker's variable of a table it holds whole."""
+        import tensorflow as tf
+
+        for key, value in self.strategy.job.client.pull_rows(ids).items():
+            if key in self.caches:
+                self.caches[key].fill(ids[key], value)
+            else:
+                self._vars[key].scatter_update(tf.IndexedSlices(value, ids[key]))
 
     def finish(self) -> None:
         """End of ``train()``: this worker's variables hold the ps's values, and every
@@ -168,28 +228,28 @@ class PSTrainProgram(_ProgramBase):
     # -- one step --------------------------------------------------------------------
     def run(self, features: Any, labels: Any, timeout: float | None = None) -> float:
         """One training step; returns this worker's loss."""
-        import tensorflow as tf
-
         client = self.strategy.job.client
         if self.ids_function is not None:
             found = self._call(self.ids_function, features, labels)
-            ids = {}
-            for i, sparse in enumerate(self.sparse):
-                if sparse:
-                    key = self.keys[i]
+            ids: dict[str, np.ndarray] = {}
+            for name, key in [(f"ids{i}", k) for i, (k, s) in enumerate(zip(self.keys, self.sparse)) if s] + \
+                    [(f"lookups{j}", k) for j, k in enumerate(self.caches)]:
+                if name in found:
                     ids[key] = np.unique(np.concatenate([ids.get(key, np.zeros(0, np.int64)),
-                                                         np.asarray(found[f"ids{i}"], np.int64).reshape(-1)]))
-            rows = client.pull_rows(ids)
-            for key, value in rows.items():
-                self._vars[key].scatter_update(tf.IndexedSlices(value, ids[key]))
+                                                         np.asarray(found[name], np.int64).reshape(-1)]))
+            self._fill(ids)
         dense = [k for k, s in zip(self.keys, self.sparse) if not s]
         if dense:
             for key, value in client.pull(dense).items():
                 self._vars[key].assign(value)
         outputs = self._call(self.function, features, labels)
         grads = {self.keys[i]: outputs[f"grad{i}"].numpy() for i, s in enumerate(self.sparse) if not s}
-        slices = {self.keys[i]: (outputs[f"ids{i}"].numpy(), outputs[f"rows{i}"].numpy())
-                  for i, s in enumerate(self.sparse) if s}
+        slices = {}
+        for i, key in enumerate(self.keys):
+            if self.sparse[i]:
+                ids = outputs[f"ids{i}"].numpy()
+                slices[key] = (self.caches[key].to_global(ids) if key in self.caches else ids,
+                               outputs[f"rows{i}"].numpy())
         if self.strategy.sync:
             client.push(grads, slices, step=self.step + 1)
             self.step += 1

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from ..errors import ClusterError, ConfigError
 from .checkpoint import CheckpointError
+from .checkpointing import with_ps_tables
 from .mode_keys import ModeKeys
 from .progress import logger, progress
 from .summaries import SummaryWriter
@@ -120,6 +121,7 @@ def _evaluate(estimator: Any, eval_spec: Any, path: str) -> dict[str, float]:
     dataset = estimator._dataset(eval_spec.input_fn, ModeKeys.EVAL)
     estimator._program(ModeKeys.EVAL, dataset.element_spec)  # creates the variables
     step, arrays, _ = estimator._checkpoints.load(path)
+    arrays = with_ps_tables(estimator._checkpoints, step, arrays, [k for k, _ in estimator._store.items()])
     for key, var in estimator._store.items():
         if key in arrays:
             var.assign(arrays[key])

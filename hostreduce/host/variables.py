@@ -7,6 +7,11 @@ asked for the same thing, so all modes and traces train one model. A request is
 identified by its name scope with Keras/TensorFlow uniquifying suffixes removed
 (``dense_3`` -> ``dense``), its shape and dtype, and how many identical requests came
 before it in the same call.
+
+With parameter servers (:meth:`VariableStore.shard_tables`) a table the ps will shard by
+rows is created as a :class:`~hostreduce.host.rowcache.RowCache` instead: the worker
+holds the rows of its batch only, and the table's initial value stays uncomputed until
+the chief registers it on the ps.
 """
 from __future__ import annotations
 
@@ -45,6 +50,19 @@ class VariableStore:
         self._counts: dict[str, int] = {}
         self._synced: set[str] = set()
         self._local: set[str] = set()
+        self._internal: set[int] = set()  # ids of helper variables (a row cache's keys)
+        self._shard: tuple[int, int] | None = None
+
+    def shard_tables(self, num_ps: int, shard_bytes: int) -> None:
+        """Create every new variable the ps would shard over ``num_ps`` (``shard_bytes``,
+        see ``hostreduce.ps.placement``) as a row cache."""
+        self._shard = (num_ps, shard_bytes)
+
+    def row_caches(self) -> dict[str, Any]:
+        """The row caches by key (tables the ps hold; this process has only some rows)."""
+        from .rowcache import is_row_cache
+
+        return {k: v for k, v in self.items() if is_row_cache(v)}
 
     def __len__(self) -> int:
         return len(self._order)
@@ -66,7 +84,7 @@ class VariableStore:
         known = {id(v) for v in self._vars.values()}
         for variable in variables:
             variable = getattr(variable, "_value", variable)
-            if id(variable) in known:
+            if id(variable) in known or id(variable) in self._internal:
                 continue
             base = "external/" + _canonical(getattr(variable, "name", "Variable"))
             key, index = base, 0
@@ -95,7 +113,12 @@ class VariableStore:
         import tensorflow as tf
 
         self._counts = {}
-        with tf.variable_creator_scope(self._creator):
+        with contextlib.ExitStack() as stack:
+            if self._shard is not None:
+                from .rowcache import deferred_keras_init
+
+                stack.enter_context(deferred_keras_init())
+            stack.enter_context(tf.variable_creator_scope(self._creator))
             yield self
 
     def _creator(self, next_creator: Any, **kwargs: Any) -> Any:
@@ -116,6 +139,12 @@ class VariableStore:
                     f"with shape {existing.shape} and is now requested with shape {shape}"
                 )
             return existing
+        cache = self._maybe_row_cache(key, kwargs)
+        if cache is not None:
+            self._vars[key] = cache
+            self._order.append(key)
+            self._internal.add(id(cache.keys))
+            return cache
         if self.on_host:
             with tf.device("/CPU:0"):
                 variable = next_creator(**kwargs)
@@ -128,11 +157,37 @@ class VariableStore:
         return variable
 
 
+    def _maybe_row_cache(self, key: str, kwargs: dict[str, Any]) -> Any:
+        """A row cache for a table the ps will shard, else None."""
+        import tensorflow as tf
+
+        from ..ps.placement import is_sharded
+        from .rowcache import row_cache
+
+        # Only trained variables are on the ps; a frozen table stays whole on the worker.
+        if (self._shard is None or kwargs.get("trainable") is False
+                or set(kwargs.get("collections") or ()) & _LOCAL_COLLECTIONS):
+            return None
+        shape = _requested_shape(kwargs)
+        value = kwargs.get("initial_value")
+        dtype = kwargs.get("dtype") or getattr(value, "dtype", None)
+        if shape is None or not shape.is_fully_defined() or dtype is None:
+            return None
+        dtype = tf.as_dtype(dtype)
+        if not dtype.is_floating or not is_sharded(shape.as_list(), dtype.size, *self._shard):
+            return None
+        # A callable initial value (Keras's Deferred, tf_keras's and tf.compat.v1's
+        # initializers) is computed later, on the chief only.
+        return row_cache(tuple(shape.as_list()), dtype.base_dtype, value, key.replace("/", "_"))
+
+
 def _requested_shape(kwargs: dict[str, Any]) -> Any:
     import tensorflow as tf
+
+    from .rowcache import Deferred
 
     shape = kwargs.get("shape")
     if shape is None:
         value = kwargs.get("initial_value")
-        shape = getattr(value, "shape", None) if not callable(value) else None
+        shape = getattr(value, "shape", None) if not callable(value) or isinstance(value, Deferred) else None
     return None if shape is None else tf.TensorShape(shape)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from .placement import Placement, locate
 from .store import ITERATIONS
 
-__all__ = ["INDEX", "shard_path", "write_shard", "publish_index", "read_index", "load_part", "prune"]
+__all__ = ["INDEX", "shard_path", "write_shard", "publish_index", "read_index", "load_part", "load_tables", "prune"]
 
 INDEX = "ps-checkpoint.json"
 
@@ -101,6 +101,28 @@ def load_part(directory: str, index: Mapping[str, Any], placement: Placement, m:
             out[f"{name}/{ITERATIONS}"] = np.array(max(int(files[int(k)][f"{name}/{ITERATIONS}"])
                                                        for k in np.unique(owners)), dtype=np.int64)
         return out
+    finally:
+        for f in files:
+            f.close()
+
+
+def load_tables(directory: str, step: int, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The whole values at ``step`` of those of ``names`` that the ps shard by rows (the
+    tables a chief's checkpoint leaves to the ps shards); {} without shards of ``step``.
+    Reads the shards of ``step`` even after the index moved on to a later step (an
+    evaluator reading an older checkpoint), through the index's placement."""
+    index = read_index(directory)
+    if index is None:
+        return {}
+    placement = Placement.from_json(index["placement"])
+    names = [n for n in names if n in placement and placement[n].sharded]
+    paths = [shard_path(directory, step, m, placement.num_ps) for m in range(placement.num_ps)]
+    if not names or not all(os.path.exists(p) for p in paths):
+        return {}
+    files = [np.load(p) for p in paths]
+    try:
+        return {n: placement[n].merge([f[n].reshape((-1,) + placement[n].spec.shape[1:]) for f in files])
+                for n in names}
     finally:
         for f in files:
             f.close()

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["VarSpec", "VarPlacement", "Placement", "place", "locate", "DEFAULT_SHARD_BYTES"]
+__all__ = ["VarSpec", "VarPlacement", "Placement", "place", "locate", "is_sharded", "DEFAULT_SHARD_BYTES"]
 
 # Variables of this many bytes or more are split by rows (TensorFlow's
 # min_max_variable_partitioner default is 256 KiB per shard; larger whole variables
@@ -176,6 +176,11 @@ class Placement:
         return place([VarSpec.from_json(s) for s in obj["specs"]], int(obj["num_ps"]), shard_bytes=int(obj["shard_bytes"]))
 
 
+def is_sharded(shape: Sequence[int], itemsize: int, num_ps: int, shard_bytes: int) -> bool:
+    """Whether a variable of ``shape`` is split by rows over ``num_ps`` ps (else held whole)."""
+    return num_ps > 1 and len(shape) >= 1 and math.prod(shape) * itemsize >= shard_bytes and shape[0] >= num_ps
+
+
 def place(specs: Iterable[VarSpec], num_ps: int, *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> Placement:
     """The placement of ``specs`` over ``num_ps`` parameter servers (see the module's docstring)."""
     if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
@@ -196,7 +201,7 @@ def place(specs: Iterable[VarSpec], num_ps: int, *, shard_bytes: int = DEFAULT_S
     out: dict[str, VarPlacement] = {}
     for name in names:
         s = by_name[name]
-        if num_ps > 1 and s.nbytes >= shard_bytes and len(s.shape) >= 1 and s.shape[0] >= num_ps:
+        if is_sharded(s.shape, np.dtype(s.dtype).itemsize, num_ps, shard_bytes):
             p = VarPlacement(s, None, num_ps)
             row_bytes = s.nbytes // s.rows
             for m in range(num_ps):

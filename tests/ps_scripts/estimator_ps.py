@@ -20,6 +20,7 @@ parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--batch", type=int, default=16, help="per worker")
 parser.add_argument("--workers", type=int, default=2)
 parser.add_argument("--reference", action="store_true")
+parser.add_argument("--evaluate", action="store_true", help="after training, evaluate on the first examples")
 parser.add_argument("--model-dir")
 parser.add_argument("--save-steps", type=int, default=3, help="save_checkpoints_steps")
 parser.add_argument("--keep", type=int, default=5, help="keep_checkpoint_max")
@@ -50,6 +51,12 @@ def input_fn(input_context=None):
     return dataset.batch(batch, drop_remainder=True).repeat()
 
 
+def eval_input_fn():
+    """Every worker (and the reference) evaluates the same batches of the global size."""
+    features, labels = data()
+    return tf.data.Dataset.from_tensor_slices((features, labels)).batch(args.batch * args.workers).take(2)
+
+
 def model_fn(features, labels, mode):
     emb = keras.layers.Embedding(VOCAB, DIM, embeddings_initializer=keras.initializers.RandomUniform(seed=1),
                                  name="emb")
@@ -59,7 +66,8 @@ def model_fn(features, labels, mode):
     pred = dense(tf.concat([looked, features["x"]], axis=1))
     loss = tf.reduce_mean(tf.square(pred - labels))
     if mode != hostreduce.ModeKeys.TRAIN:
-        return hostreduce.EstimatorSpec(mode, loss=loss, eval_metric_ops={"mse": tf.compat.v1.metrics.mean(loss)})
+        mse = tf.compat.v1.metrics.mean_squared_error(labels, pred)  # per example: an empty batch adds nothing
+        return hostreduce.EstimatorSpec(mode, loss=loss, eval_metric_ops={"mse": mse})
     optimizer = keras.optimizers.Adam(0.01) if args.optimizer == "adam" else keras.optimizers.SGD(0.5)
     variables = emb.trainable_variables + dense.trainable_variables
     grads = hostreduce.compute_gradients(loss, variables)
@@ -79,7 +87,12 @@ else:
 estimator = hostreduce.Estimator(model_fn, config=config)
 estimator.train(input_fn, max_steps=args.steps)
 rank = 0 if args.reference else estimator.strategy.rank
+if args.evaluate:
+    results = estimator.evaluate(eval_input_fn)
+    print(f"EVAL rank {rank}: loss {results['loss']!r} mse {results['mse']!r}", flush=True)
 values = {k: v for k, v in estimator.get_variables().items() if v.dtype.kind == "f" and v.ndim >= 1}
+if not args.reference:  # get_variables pulls the sharded table from the ps: all do before the chief ends the job
+    estimator.strategy.reducer.barrier()
 np.savez(os.path.join(args.out, f"{'ref' if args.reference else rank}.npz"), **values)
 traffic = {} if args.reference else estimator.strategy.job.client.bytes_received
 print(f"DONE rank {rank}: step {estimator.global_step} pulled {sorted(traffic.items())}", flush=True)
