@@ -408,3 +408,21 @@ def test_pull_step_equals_pull_rows_and_pull_in_one_round_trip():
         assert none == {} and only_rows["table"].shape == (2, 3, 8)
     finally:
         cluster.stop()
+
+
+def test_each_ps_listens_only_on_its_own_address_from_the_spec():
+    """Bound to 127.0.0.1 as the spec says, not to every interface: another loopback
+    address of this machine finds nothing listening on the port."""
+    import socket
+
+    cluster = LocalCluster(2, 1)
+    try:
+        c0 = cluster.client(0)  # the ps are up once a client got in
+        c0.register(model_values(), SGD(0.1))
+        for address in cluster.addresses:
+            port = int(address.rsplit(":", 1)[1])
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    finally:
+        cluster.stop()

@@ -196,12 +196,15 @@ class PSTrainProgram(_ProgramBase):
             self._fill({key: np.unique(np.asarray(found[f"lookups{j}"], np.int64))
                         for j, key in enumerate(self.caches)})
 
-    def _fill(self, ids: dict[str, np.ndarray]) -> None:
-        """The rows at ``ids`` (sorted, distinct) from the ps into the row caches, or into
-        the worker's variable of a table it holds whole."""
+    def _fill(self, ids: dict[str, np.ndarray], rows: dict[str, np.ndarray] | None = None) -> None:
+        """The rows at ``ids`` (sorted, distinct), pulled from the ps unless given as
+        ``rows``, into the row caches, or into the worker's variable of a table it holds
+        whole."""
         import tensorflow as tf
 
-        for key, value in self.strategy.job.client.pull_rows(ids).items():
+        if rows is None:
+            rows = self.strategy.job.client.pull_rows(ids)
+        for key, value in rows.items():
             if key in self.caches:
                 self.caches[key].fill(ids[key], value)
             else:
@@ -229,19 +232,22 @@ class PSTrainProgram(_ProgramBase):
     def run(self, features: Any, labels: Any, timeout: float | None = None) -> float:
         """One training step; returns this worker's loss."""
         client = self.strategy.job.client
+        ids: dict[str, np.ndarray] = {}
         if self.ids_function is not None:
             found = self._call(self.ids_function, features, labels)
-            ids: dict[str, np.ndarray] = {}
             for name, key in [(f"ids{i}", k) for i, (k, s) in enumerate(zip(self.keys, self.sparse)) if s] + \
                     [(f"lookups{j}", k) for j, k in enumerate(self.caches)]:
                 if name in found:
                     ids[key] = np.unique(np.concatenate([ids.get(key, np.zeros(0, np.int64)),
                                                          np.asarray(found[name], np.int64).reshape(-1)]))
-            self._fill(ids)
         dense = [k for k, s in zip(self.keys, self.sparse) if not s]
-        if dense:
-            for key, value in client.pull(dense).items():
-                self._vars[key].assign(value)
+        if ids:
+            rows, values = client.pull_step(ids, dense)  # one round trip for both
+            self._fill(ids, rows)
+        else:
+            values = client.pull(dense) if dense else {}
+        for key, value in values.items():
+            self._vars[key].assign(value)
         outputs = self._call(self.function, features, labels)
         grads = {self.keys[i]: outputs[f"grad{i}"].numpy() for i, s in enumerate(self.sparse) if not s}
         slices = {}

@@ -87,7 +87,7 @@ class PSClient:
                   ) -> list[dict[int, tuple[dict, list[np.ndarray]]]]:
         """Every request of every ``(method, {ps: request})`` in flight at once (one
         round trip for all); the unpacked replies of each batch, by ps."""
-        done: queue.SimpleQueue = queue.SimpleQueue()
+        done: queue.Queue = queue.Queue()  # not a SimpleQueue: its get() can overrun its timeout
         calls = {}
         deadline_s = timeout or self.timeout_s
         for i, (method, requests) in enumerate(batches):
