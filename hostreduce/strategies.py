@@ -227,8 +227,11 @@ class ParameterServerStrategy(Strategy):
 
     Args:
         sync: True: each step the ps average the workers' gradients and apply once (the
-            result of all-reduce training on the global batch); False: each worker's
-            gradients are applied as they arrive.
+            result of all-reduce training on the global batch); a worker lost or late
+            by ``timeout_s`` fails the step on every worker with an error naming its
+            rank. False: each worker's gradients are applied as they arrive, and each
+            worker trains on its own: one that fails or is lost is logged, the others
+            go on.
         shard_bytes: variables of at least this many bytes are split by rows over every
             ps; smaller ones are placed whole, balanced by bytes. A worker never holds a
             split table whole: it caches the rows of its batch (it must be read only
@@ -240,9 +243,12 @@ class ParameterServerStrategy(Strategy):
         cluster_resolver: as for :class:`MultiWorkerStrategy`.
         config: a ``hostreduce.config.Config`` (secret, timeouts; the workers' ring).
 
-    The training tasks also form the gRPC ring for the Estimator's small collectives
-    (the start step, when the data ends, logging, evaluation); gradients and variables
-    travel only between workers and ps.
+    With ``sync=True`` the training tasks also form the gRPC ring for the Estimator's
+    small collectives (the start step, when the data ends, logging); with ``sync=False``
+    training involves no other worker (``hostreduce/estimator/team.py``). ``evaluate()``
+    on the training tasks combines their metrics over the ring in both modes. Gradients
+    and variables travel only between workers and ps. The chief ends the job (its ps
+    exit) once every other worker's process has ended or is lost.
     """
 
     reducer_name = "ring"

@@ -206,6 +206,45 @@ def test_async_applies_each_push_on_arrival():
         cluster.stop()
 
 
+def test_workers_wait_for_open_and_the_chief_ends_the_job_once_the_others_are_done_or_lost(caplog):
+    """A held registration keeps the other workers' wait_ready waiting until the chief
+    opens the ps; the chief's end of job (PSJob.end) waits for every other worker's Done
+    or loss, logs the failed and lost ones, then stops the ps."""
+    from hostreduce.ps.job import PSJob
+
+    cluster = LocalCluster(2, 4, mode="async", timeout_s=1.0)
+    try:
+        chief = PSJob(cluster.addresses, 0, 4, cluster.secret, timeout_s=1.0, connect_timeout_s=10.0)
+        c1, c2 = cluster.client(1, timeout_s=1.0), cluster.client(2, timeout_s=1.0)
+        chief.client.register(model_values(), SGD(0.5), shard_bytes=20_000, step=7, hold=True)
+        with pytest.raises(CollectiveTimeoutError, match="did not register"):
+            c1.wait_ready(timeout_s=0.3)       # registered, not open
+        chief.client.open()
+        c1.wait_ready(timeout_s=1.0)
+        assert chief.client.info()["step"] == 7 and chief.client.workers() == {"done": [], "failed": {}, "lost": []}
+        c1.done()
+        c2.done("RuntimeError: boom")
+        ended = threading.Event()
+        # Worker 3 never calls: lost timeout_s after the registration. Worker 1 calls
+        # again (a heartbeat) while the chief waits: done stays done.
+        with caplog.at_level(logging.WARNING, logger="hostreduce.ps"):
+            waiter = threading.Thread(target=lambda: (chief.end(), ended.set()))
+            t0 = time.monotonic()
+            waiter.start()
+            c1.heartbeat()
+            assert ended.wait(5.0), "the chief did not end the job"
+        assert time.monotonic() - t0 < 1.0 + 1.0
+        messages = [r.getMessage() for r in caplog.records]
+        assert "worker 2 failed: RuntimeError: boom; the job goes on without it" in messages, messages
+        assert any(m.startswith("worker 3 was lost") for m in messages), messages
+        assert any("worker 3 never called for" in m and "async training goes on without it" in m
+                   for m in messages), messages
+        for server in cluster.servers:  # the chief ended the job: every ps returned from serve()
+            assert server._stopped.wait(2.0) and server.failure is None
+    finally:
+        cluster.stop()
+
+
 def test_wrong_secret_is_refused_and_logged_and_the_job_goes_on(caplog):
     cluster = LocalCluster(2, 2, mode="async")
     try:

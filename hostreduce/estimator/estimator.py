@@ -23,6 +23,7 @@ from .ps_program import PSTrainProgram
 from .roles import check_can_train
 from .run_config import RunConfig, set_random_seed
 from .summaries import SummaryWriter
+from .team import training_team
 
 __all__ = ["Estimator"]
 
@@ -71,7 +72,8 @@ class Estimator:
         self._global_step = 0
         self._step_synced = False
         self._seeded = False
-        self._ckpt = Checkpointing(self._strategy, self._checkpoints, config.save_checkpoints_steps,
+        self._team = training_team(self._strategy)  # who the Estimator's own collectives span
+        self._ckpt = Checkpointing(self._team, self._checkpoints, config.save_checkpoints_steps,
                                    config.save_checkpoints_secs)
         self._features_spec: Any = None  # of the last input_fn, for export_saved_model
 
@@ -141,14 +143,15 @@ class Estimator:
         self._programs[mode] = (signature, program)
         self._sync_variables()
         if isinstance(program, PSTrainProgram):  # the variables now live on the ps
-            program.connect(self._global_step, self.config.model_dir, self.config.keep_checkpoint_max)
+            step = program.connect(self._global_step, self.config.model_dir, self.config.keep_checkpoint_max)
+            self._global_step = step if self._team is not self._strategy else self._global_step
             self._ckpt.ps = program
         return program
 
     def _sync_variables(self) -> None:
         """Give variables created since the last sync their starting values: the
         latest checkpoint's where it has them, then the chief's everywhere."""
-        strategy = self._strategy
+        strategy = self._team
         new = [(k, v) for k, v in self._store.unsynced() if k not in self._excluded_keys]
         if strategy.is_chief:
             step = self._ckpt.restore_latest(new)
@@ -202,7 +205,7 @@ class Estimator:
         if steps is not None and max_steps is not None:
             raise ConfigError(f"Give `steps` or `max_steps`, not both. Received: steps={steps}, max_steps={max_steps}")
         check_can_train(self._strategy)  # a ps task serves here instead
-        self._strategy.reducer  # connect before the first step, not inside it
+        self._team.reducer  # connect before the first step, not inside it
         dataset = self._dataset(input_fn, ModeKeys.TRAIN)
         program = self._program(ModeKeys.TRAIN, dataset.element_spec)
         start = self._global_step
@@ -210,7 +213,7 @@ class Estimator:
         if target is not None and start >= target:
             return self
         strategy, config = self._strategy, self.config
-        must_agree = target is None and strategy.size > 1
+        must_agree = target is None and self._team.size > 1
         log_every = config.log_step_count_steps
         save_every, save_secs = self._ckpt.policy()
         timeout = config.collective_timeout_s
@@ -227,7 +230,7 @@ class Estimator:
             except StopIteration:
                 has_data = 0
             if must_agree:
-                has_data = int(strategy.reducer.allreduce("hostreduce.more", np.array([has_data], np.int32), op="min")[0])
+                has_data = int(self._team.reducer.allreduce("hostreduce.more", np.array([has_data], np.int32), op="min")[0])
             if not has_data:
                 break
             loss = program.run(features, labels, timeout)
@@ -264,9 +267,9 @@ class Estimator:
         return self
 
     def _mean_across_workers(self, name: str, value: float) -> float:
-        if self._strategy.size == 1:
+        if self._team.size == 1:
             return value
-        out = self._strategy.reducer.allreduce(name, np.array([value], np.float64), op="mean")
+        out = self._team.reducer.allreduce(name, np.array([value], np.float64), op="mean")
         return float(out[0])
 
     # -- evaluate --------------------------------------------------------------
@@ -351,10 +354,7 @@ class Estimator:
                     yield {k: v[i] for k, v in out.items()}
             else:
                 out = np.asarray(out)
-                if yield_single_examples:
-                    yield from out
-                else:
-                    yield out
+                yield from (out if yield_single_examples else [out])
 
     # -- export ----------------------------------------------------------------
     def export_saved_model(self, export_dir_base: str, serving_input_receiver_fn: Callable[[], Any] | None = None

@@ -137,9 +137,10 @@ class PSTrainProgram(_ProgramBase):
         return function(features, labels) if self.has_labels else function(features)
 
     # -- the job ---------------------------------------------------------------------
-    def connect(self, global_step: int, model_dir: str | None, keep: int) -> None:
+    def connect(self, global_step: int, model_dir: str | None, keep: int) -> int:
         """Register the variables on the ps (the chief, restoring the ps shards of the
-        checkpoint at ``global_step``) and agree with every worker on the ps's step."""
+        checkpoint at ``global_step`` before it opens them to the other workers); return
+        the ps's step, which every worker starts from."""
         strategy = self.strategy
         self._vars = dict(self.store.items())
         self._model_dir, self._keep = model_dir, keep
@@ -147,17 +148,17 @@ class PSTrainProgram(_ProgramBase):
         if strategy.is_chief:
             values = {key: self.caches[key].initial_value_numpy() if key in self.caches else self._vars[key].numpy()
                       for key in self.keys}
-            client.register(values, self.optimizer_config, shard_bytes=strategy.shard_bytes, step=global_step)
+            client.register(values, self.optimizer_config, shard_bytes=strategy.shard_bytes, step=global_step,
+                            hold=True)
             del values
             if global_step and model_dir:
                 self._restore_shards(global_step)
+            client.open()
         for cache in self.caches.values():
             cache.initial = None  # the ps hold the table now
-        step = np.array([client.info()["step"] if strategy.is_chief else 0], np.int64)
-        if strategy.size > 1:
-            step = strategy.reducer.broadcast("hostreduce.ps.step", step, root=0)
         client.wait_ready()
-        self.step = int(step[0])
+        self.step = int(client.info()["step"])
+        return self.step
 
     def _restore_shards(self, step: int) -> None:
         from ..ps import checkpoint
@@ -211,10 +212,11 @@ class PSTrainProgram(_ProgramBase):
                 self._vars[key].scatter_update(tf.IndexedSlices(value, ids[key]))
 
     def finish(self) -> None:
-        """End of ``train()``: this worker's variables hold the ps's values, and every
-        worker is done with the ps before any goes on (the chief may end the job)."""
+        """End of ``train()``: this worker's variables hold the ps's values; in sync mode
+        every worker has ended its steps before any goes on. (The chief ends the job only
+        once the other workers' processes have ended: ``hostreduce.ps.job``.)"""
         self.pull_all()
-        if self.strategy.size > 1:
+        if self.strategy.sync and self.strategy.size > 1:
             self.strategy.reducer.barrier()
 
     def before_save(self, step: int) -> None:

@@ -128,10 +128,11 @@ class PSClient:
 
     # ------------------------------------------------------------------ set-up
     def register(self, values: Mapping[str, np.ndarray], optimizer: HostOptimizer | dict, *,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, step: int | None = None) -> Placement:
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, step: int | None = None, hold: bool = False) -> Placement:
         """Place ``values`` over the ps and initialise them (the chief; a second call
         with the same variables keeps the values the ps hold); ``step``: the sync step
-        the ps start from (the job's step when it resumes)."""
+        the ps start from (the job's step when it resumes). ``hold``: other workers'
+        :meth:`wait_ready` waits on until :meth:`open` (the chief restores first)."""
         values = {n: np.asarray(v) for n, v in values.items()}
         config = optimizer.get_config() if isinstance(optimizer, HostOptimizer) else dict(optimizer)
         p = place([VarSpec(n, v.shape, v.dtype.name) for n, v in values.items()], len(self.addresses),
@@ -140,18 +141,23 @@ class PSClient:
         for m in range(p.num_ps):
             names = p.on(m)
             parts = [p[n].split(values[n].astype(p[n].spec.dtype, copy=False))[m] for n in names]
-            requests[m] = wire.pack({"placement": p.to_json(), "optimizer": config, "names": names, "step": step},
-                                    parts)
+            requests[m] = wire.pack({"placement": p.to_json(), "optimizer": config, "names": names, "step": step,
+                                     "hold": hold}, parts)
         self._call("Register", requests, timeout=max(self.timeout_s, 60.0))
         self.placement = p
         return p
 
+    def open(self) -> None:
+        """The chief: the ps hold the values to start from; other workers may pull."""
+        self._call("Open", {m: wire.pack({}) for m in range(len(self.addresses))})
+
     def wait_ready(self, timeout_s: float | None = None) -> Placement:
-        """Wait until the chief registered the variables on every ps; their placement."""
+        """Wait until the chief registered the variables on every ps and opened them;
+        their placement."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             infos = self._call("Info", {m: wire.pack({}) for m in range(len(self.addresses))})
-            if all(h["placement"] is not None for h, _ in infos.values()):
+            if all(h["placement"] is not None and h.get("open", True) for h, _ in infos.values()):
                 self.placement = Placement.from_json(infos[0][0]["placement"])
                 return self.placement
             if time.monotonic() > deadline:
@@ -287,6 +293,16 @@ class PSClient:
         """ps 0's state: ``step`` (the last step applied in sync mode), ``mode``,
         ``optimizer`` and ``placement`` (None before registration)."""
         return self._call("Info", {0: wire.pack({})})[0][0]
+
+    def workers(self) -> dict[str, Any]:
+        """What ps 0 knows of the workers: ``done`` (ranks whose process ended),
+        ``failed`` (rank -> its error), ``lost`` (silent for ``timeout_s``)."""
+        return self.info()["workers"]
+
+    def done(self, failure: str | None = None) -> None:
+        """This worker's process ends (``failure``: with that error): every ps is told."""
+        self._call("Done", {m: wire.pack({"failure": failure}) for m in range(len(self.addresses))},
+                   timeout=min(self.timeout_s, 5.0))
 
     def heartbeat(self) -> None:
         """One call to every ps, so that each knows this worker is alive."""

@@ -11,6 +11,13 @@ returns when every worker's have been summed and applied (``barrier.py``).
 ``mode="async"``: each push is applied on arrival; a worker silent for ``timeout_s``
 is logged as lost and the others go on.
 
+Workers: the chief registers the variables and ``Open``s the ps once they hold the
+values to start from (after a restore), so no worker pulls values in between. Every
+other worker says ``Done`` when its process ends (with its error if it failed); a worker
+silent for ``timeout_s`` (every worker sends a heartbeat) or never heard of within
+``timeout_s`` of the registration is lost. ``Info`` reports them, so the chief can end
+the job only once every worker is done or lost.
+
 ``chief_timeout_s``: once the chief (worker 0) has called, a chief silent for that long
 (its strategy sends a heartbeat) ends the serving with :attr:`failure` set, so a ps of
 a job whose chief was killed does not serve forever. The chief's ``Shutdown`` says
@@ -61,7 +68,10 @@ class ParameterServer:
         self.bytes_out: dict[str, int] = {}
         self._seen: dict[int, float] = {}
         self._lost: set[int] = set()
-        self._done = threading.Event()
+        self._finished: dict[int, str | None] = {}  # worker -> its error, or None (Done)
+        self._registered_at: float | None = None
+        self._opened = False
+        self._stopped = threading.Event()
         self._server: Any = None
         self.chief_timeout_s = chief_timeout_s
         self.failure: str | None = None   # why serving ended other than by a successful job's Shutdown
@@ -87,19 +97,18 @@ class ParameterServer:
             raise ClusterError(f"ps task {self.index} cannot listen on {addr!r}: the port is taken or the address "
                                "is not local")
         self._server.start()
-        if self.mode == "async" or self.chief_timeout_s:
-            threading.Thread(target=self._watch, daemon=True, name=f"hostreduce-ps{self.index}-watch").start()
+        threading.Thread(target=self._watch, daemon=True, name=f"hostreduce-ps{self.index}-watch").start()
         log.info("ps task %d serving on %s (%s, %d workers)", self.index, addr, self.mode, self.num_workers)
 
     def serve(self) -> None:
         """Start, serve until the chief calls ``Shutdown``, then return."""
         if self._server is None:
             self.start()
-        self._done.wait()
+        self._stopped.wait()
         self.stop()
 
     def stop(self) -> None:
-        self._done.set()
+        self._stopped.set()
         # Pushes still waiting for a step would hold their threads (and the process's
         # exit) until their wait ends; no worker will complete that step now.
         self.barrier.abort(self.failure or "the chief ended the job")
@@ -108,7 +117,7 @@ class ParameterServer:
 
     def _watch(self) -> None:
         period = max(0.1, min(self.timeout_s, self.chief_timeout_s or self.timeout_s) / 4)
-        while not self._done.wait(period):
+        while not self._stopped.wait(period):
             now = time.monotonic()
             chief = self._seen.get(0)
             if self.chief_timeout_s and chief is not None and now - chief > self.chief_timeout_s:
@@ -116,15 +125,17 @@ class ParameterServer:
                                 f"(chief_timeout_s={self.chief_timeout_s:g}): its process ended without ending "
                                 "the job")
                 log.error("%s; this ps stops serving", self.failure)
-                self._done.set()
+                self._stopped.set()
                 return
-            if self.mode != "async":
+            if self._registered_at is None:
                 continue
-            for rank, seen in list(self._seen.items()):
-                if now - seen > self.timeout_s and rank not in self._lost:
+            for rank in range(self.num_workers):
+                seen = self._seen.get(rank, self._registered_at)
+                if now - seen > self.timeout_s and rank not in self._lost and rank not in self._finished:
                     self._lost.add(rank)
-                    log.warning("ps task %d: worker %d has not called for %.1f s (timeout_s=%g): lost; "
-                                "async training goes on without it", self.index, rank, now - seen, self.timeout_s)
+                    log.warning("ps task %d: worker %d %s for %.1f s (timeout_s=%g): lost%s", self.index, rank,
+                                "has not called" if rank in self._seen else "never called", now - seen,
+                                self.timeout_s, "; async training goes on without it" if self.mode == "async" else "")
 
     # ------------------------------------------------------------------ dispatch
     def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[bytes, Any], bytes]:
@@ -154,7 +165,10 @@ class ParameterServer:
     def _info(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         p = self.store.placement
         return {"placement": p.to_json() if p else None, "optimizer": self.store.optimizer_config,
-                "step": self.store.step, "mode": self.mode}, []
+                "step": self.store.step, "mode": self.mode, "open": self._opened,
+                "workers": {"done": sorted(r for r, e in self._finished.items() if e is None),
+                            "failed": {str(r): e for r, e in self._finished.items() if e is not None},
+                            "lost": sorted(self._lost)}}, []
 
     def _register(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         placement = Placement.from_json(h["placement"])
@@ -167,7 +181,23 @@ class ParameterServer:
         new = self.store.register(placement, h["optimizer"], dict(zip(names, a)))
         if new and isinstance(h.get("step"), int):
             self.store.step = h["step"]  # a job resumed from a checkpoint without ps shards
+        self._opened = not h.get("hold", False)
+        if self._registered_at is None:
+            self._registered_at = time.monotonic()
         return {"new": new}, []
+
+    def _open(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self._opened = True
+        return {}, []
+
+    def _done(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        failure = h.get("failure")
+        self._finished[rank] = str(failure)[:500] if failure else None
+        self._lost.discard(rank)
+        if failure:
+            log.warning("ps task %d: worker %d failed: %s%s", self.index, rank, failure,
+                        "; async training goes on without it" if self.mode == "async" else "")
+        return {}, []
 
     def _pulldense(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         return {}, self.store.pull(list(h["names"]))
@@ -228,5 +258,5 @@ class ParameterServer:
             raise ConfigError(f"only the chief (worker 0) ends the job. Received: Shutdown from worker {rank}")
         if h.get("failure"):
             self.failure = f"ps task {self.index}: the chief ended the job after a failure: {h['failure']}"
-        threading.Timer(0.2, self._done.set).start()  # after this reply is on its way
+        threading.Timer(0.2, self._stopped.set).start()  # after this reply is on its way
         return {}, []

@@ -4,6 +4,8 @@ with ``--reference``, alone on the global batch; each training task writes its f
 variables to ``--out/<rank>.npz``."""
 import argparse
 import os
+import signal
+import time
 
 import numpy as np
 
@@ -25,6 +27,10 @@ parser.add_argument("--model-dir")
 parser.add_argument("--save-steps", type=int, default=3, help="save_checkpoints_steps")
 parser.add_argument("--keep", type=int, default=5, help="keep_checkpoint_max")
 parser.add_argument("--progress", action="store_true", help="log the Estimator's progress (as tf.estimator's INFO)")
+parser.add_argument("--async", dest="sync", action="store_false", help="ParameterServerStrategy(sync=False)")
+parser.add_argument("--fail-at", type=int, help="worker 1 fails after this step: --fail-how")
+parser.add_argument("--fail-how", choices=("kill", "raise"), default="raise", help="SIGKILL itself or raise")
+parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step of the chief lasts more")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 if args.progress:
@@ -81,18 +87,30 @@ def model_fn(features, labels, mode):
 if args.reference:
     config = hostreduce.RunConfig(fused_apply=False, model_dir=args.model_dir)
 else:
-    strategy = hostreduce.ParameterServerStrategy(sync=True, shard_bytes=16_000)
+    strategy = hostreduce.ParameterServerStrategy(sync=args.sync, shard_bytes=16_000)
     config = hostreduce.RunConfig(train_distribute=strategy, model_dir=args.model_dir,
                                    save_checkpoints_steps=args.save_steps, keep_checkpoint_max=args.keep)
 estimator = hostreduce.Estimator(model_fn, config=config)
-estimator.train(input_fn, max_steps=args.steps)
 rank = 0 if args.reference else estimator.strategy.rank
+
+
+def hook(step, loss):
+    if rank == 0 and args.step_sleep:
+        time.sleep(args.step_sleep)
+    if rank == 1 and step == args.fail_at:
+        print(f"FAILING rank 1 at step {step} ({args.fail_how})", flush=True)
+        if args.fail_how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"worker 1 fails on purpose after step {step}")
+
+
+estimator.train(input_fn, max_steps=args.steps, hooks=[hook])
 if args.evaluate:
     results = estimator.evaluate(eval_input_fn)
     print(f"EVAL rank {rank}: loss {results['loss']!r} mse {results['mse']!r}", flush=True)
+# get_variables pulls the sharded table from the ps: the chief ends the job only once
+# every other worker's process has ended, so no worker need wait for the others here.
 values = {k: v for k, v in estimator.get_variables().items() if v.dtype.kind == "f" and v.ndim >= 1}
-if not args.reference:  # get_variables pulls the sharded table from the ps: all do before the chief ends the job
-    estimator.strategy.reducer.barrier()
 np.savez(os.path.join(args.out, f"{'ref' if args.reference else rank}.npz"), **values)
 traffic = {} if args.reference else estimator.strategy.job.client.bytes_received
 print(f"DONE rank {rank}: step {estimator.global_step} pulled {sorted(traffic.items())}", flush=True)

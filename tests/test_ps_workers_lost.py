@@ -1,0 +1,78 @@
+"""A worker lost or failing in the middle of parameter-server training, each task its
+own process started by hand (2 ps, a chief, worker 1):
+
+- ``sync=True``: the chief's next step fails within ``timeout_s`` of the loss with an
+  error naming worker rank 1 (nothing of that step is applied), and the job ends
+  non-zero;
+- ``sync=False``: the chief goes on to its last step, logs the lost (SIGKILL) or failed
+  (exception) worker, ends the job, and it and the ps exit 0; the ps log the loss.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_jobs import base_env, run_ps_by_hand  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "estimator_ps.py"
+PS_SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "serve_ps.py"  # a ps without TensorFlow
+TIMEOUT_S = 4.0
+STEPS, FAIL_AT = 40, 5
+# The chief's step that waits for the lost worker starts at most one step (a few
+# hundredths of a second; a second on a loaded machine) after the loss.
+STEP_MARGIN_S = 1.5
+
+
+def _output(tasks: dict[str, Any]) -> str:
+    return "\n".join(f"--- {name} (exit {w.returncode}) ---\n{w.output}" for name, w in tasks.items())
+
+
+def _run(tmp_path: Path, mode: str, how: str, sleep: float) -> dict[str, Any]:
+    args = ["--out", str(tmp_path), "--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--fail-how", how,
+            "--step-sleep", str(sleep), "--save-steps", "1000"] + (["--async"] if mode == "async" else [])
+    return run_ps_by_hand(SCRIPT, args, timeout=150, ps_script=PS_SCRIPT,
+                          env=base_env(HOSTREDUCE_TIMEOUT_S=str(TIMEOUT_S), TEST_PS_MODE=mode))
+
+
+@pytest.mark.timeout(240)
+def test_sync_a_lost_worker_fails_the_chief_in_time_naming_it(tmp_path: Path) -> None:
+    tasks = _run(tmp_path, "sync", "kill", 0.0)
+    output = _output(tasks)
+    lost_at = tasks["worker1"].first("FAILING rank 1")
+    assert lost_at is not None and tasks["worker1"].returncode == -9, output
+    said = tasks["chief"].first("waiting for worker rank(s) [1]")
+    assert said is not None, output
+    assert "CollectiveTimeoutError" in tasks["chief"].output and tasks["chief"].returncode not in (0, None), output
+    print(f"chief: error naming worker 1 {said - lost_at:.2f} s after it was lost (timeout_s={TIMEOUT_S:g})")
+    assert said - lost_at <= TIMEOUT_S + STEP_MARGIN_S, output
+    assert f"DONE rank 0: step {STEPS}" not in output
+    for ps in ("ps0", "ps1"):  # the job failed
+        assert tasks[ps].returncode == 1 and "JobFailedError" in tasks[ps].output, output
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_async_the_others_go_on_without_a_lost_or_failed_worker(tmp_path: Path, how: str) -> None:
+    # The chief's 40 steps last at least 40 x 0.15 = 6 s: it is still training when
+    # worker 1 has been silent for timeout_s, and ends the job only after that.
+    tasks = _run(tmp_path, "async", how, 0.15)
+    output = _output(tasks)
+    assert tasks["worker1"].first("FAILING rank 1") is not None, output
+    assert tasks["worker1"].returncode == (-9 if how == "kill" else 1), output
+    assert {n: tasks[n].returncode for n in ("chief", "ps0", "ps1")} == dict.fromkeys(("chief", "ps0", "ps1"), 0), \
+        output
+    assert f"DONE rank 0: step {STEPS}" in tasks["chief"].output, output
+    if how == "kill":
+        assert "worker 1 was lost: it did not call the ps" in tasks["chief"].output, output
+        for ps in ("ps0", "ps1"):
+            assert "worker 1 has not called for" in tasks[ps].output and "async training goes on without it" \
+                in tasks[ps].output, output
+    else:
+        said = "worker 1 failed: RuntimeError: worker 1 fails on purpose after step 5"
+        assert said in tasks["chief"].output and said in tasks["ps0"].output, output
