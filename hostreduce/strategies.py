@@ -321,6 +321,15 @@ class ParameterServerStrategy(Strategy):
                               connect_timeout_s=cfg.connect_timeout_s)
         return self._job
 
+    def keras_optimizer(self, optimizer: Any) -> Any:
+        """``optimizer`` (Keras 3 SGD, Adam or Adagrad, not used yet) for ``model.compile``
+        or ``apply_gradients``, with the variables and its slots on the ps: each step
+        pushes the gradients and pulls the variables back (``hostreduce/ps/keras.py``).
+        On a ``ps`` task this call serves until the chief ends the job, then exits 0."""
+        from .ps.keras import keras_optimizer
+
+        return keras_optimizer(self, optimizer)
+
     def serve(self) -> None:
         """On a ``ps`` task: serve until the chief ends the job (``JobFailedError`` if it failed)."""
         from .ps.serve import serve_from_env

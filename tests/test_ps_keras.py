@@ -1,0 +1,54 @@
+"""Keras 3 ``model.fit`` on parameter servers (``ParameterServerStrategy.keras_optimizer``),
+every task its own process started by hand: sync training of a model with an embedding
+split over 2 ps and dense layers equals one process training on the global batch; the
+ps tasks run the same script (they serve at ``keras_optimizer``) and every process
+exits 0; async training runs to its end."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_jobs import base_env, run_by_hand, run_ps_by_hand  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow, pytest.mark.timeout(300)]
+
+SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "keras_fit_ps.py"
+PS_SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "serve_ps.py"  # a ps without TensorFlow
+
+
+def _output(tasks: dict) -> str:
+    return "\n".join(f"--- {name} (exit {w.returncode}) ---\n{w.output}" for name, w in tasks.items())
+
+
+@pytest.mark.parametrize("optimizer, same_script_ps", [("sgd", True), ("adam", False)])
+def test_sync_fit_equals_one_process_on_the_global_batch(tmp_path: Path, optimizer: str, same_script_ps: bool) -> None:
+    args = ["--optimizer", optimizer, "--out", str(tmp_path)]
+    ref = run_by_hand(SCRIPT, [*args, "--reference"], np=1, timeout=200)[0]
+    assert ref.returncode == 0, ref.output
+    tasks = run_ps_by_hand(SCRIPT, args, timeout=240, env=base_env(HOSTREDUCE_TIMEOUT_S="60"),
+                           ps_script=None if same_script_ps else PS_SCRIPT)
+    output = _output(tasks)
+    assert {n: w.returncode for n, w in tasks.items()} == dict.fromkeys(tasks, 0), output
+    if same_script_ps:  # the ps ran the script no further than keras_optimizer
+        assert "DONE" not in tasks["ps0"].output + tasks["ps1"].output, output
+    want = np.load(tmp_path / "ref.npz")
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"{rank}.npz")
+        assert sorted(got.files) == sorted(want.files) and len(want.files) == 5, (got.files, want.files)
+        for name in want.files:
+            err = np.max(np.abs(got[name] - want[name])) / max(np.max(np.abs(want[name])), 1e-12)
+            assert err <= 1e-5, (rank, name, err)
+
+
+def test_async_fit_runs_to_its_end(tmp_path: Path) -> None:
+    tasks = run_ps_by_hand(SCRIPT, ["--async", "--steps", "10", "--out", str(tmp_path)], timeout=240,
+                           env=base_env(HOSTREDUCE_TIMEOUT_S="60", TEST_PS_MODE="async"), ps_script=PS_SCRIPT)
+    output = _output(tasks)
+    assert {n: w.returncode for n, w in tasks.items()} == dict.fromkeys(tasks, 0), output
+    for rank in (0, 1):
+        assert f"DONE rank {rank}" in tasks["chief" if rank == 0 else "worker1"].output, output
+        assert all(np.isfinite(v).all() for v in np.load(tmp_path / f"{rank}.npz").values())
