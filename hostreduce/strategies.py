@@ -271,6 +271,8 @@ class ParameterServerStrategy(Strategy):
         self.shard_bytes, self.sparse, self._timeout_s = shard_bytes, sparse, timeout_s
         self.cluster_resolver = cluster_resolver
         self._job: Any = None
+        self._keras_exchange: Any = None  # the Keras face's tie to the ps (hostreduce/ps/keras.py)
+        self._keras_lookups: Any = None
 
     def _resolve_cluster(self) -> Any:
         from .cluster import cluster_from_resolver, resolve_cluster
@@ -329,6 +331,20 @@ class ParameterServerStrategy(Strategy):
         from .ps.keras import keras_optimizer
 
         return keras_optimizer(self, optimizer)
+
+    def scope(self) -> Any:
+        """Build the Keras model in this block: each table the ps split by rows (at least
+        ``shard_bytes``) is then never whole on a worker, only the rows its steps look up."""
+        from .ps.keras import variable_scope
+
+        return variable_scope(self)
+
+    def keras_variables(self) -> dict[str, Any]:
+        """The Keras model's trainable variables as the ps hold them, by path (tables
+        whole: a full copy each)."""
+        from .ps.keras import pull_variables
+
+        return pull_variables(self)
 
     def serve(self) -> None:
         """On a ``ps`` task: serve until the chief ends the job (``JobFailedError`` if it failed)."""

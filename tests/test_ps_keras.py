@@ -1,10 +1,13 @@
 """Keras 3 ``model.fit`` on parameter servers (``ParameterServerStrategy.keras_optimizer``),
 every task its own process started by hand: sync training of a model with an embedding
-split over 2 ps and dense layers equals one process training on the global batch; the
-ps tasks run the same script (they serve at ``keras_optimizer``) and every process
-exits 0; async training runs to its end."""
+split over 2 ps and dense layers equals one process training on the global batch, with
+the model built as usual (every variable pulled whole each step) or in
+``strategy.scope()`` (the table a row cache of the batch's rows on each worker); the ps
+tasks run the same script (they serve at ``keras_optimizer``) and every process exits
+0; async training runs to its end."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -24,15 +27,19 @@ def _output(tasks: dict) -> str:
     return "\n".join(f"--- {name} (exit {w.returncode}) ---\n{w.output}" for name, w in tasks.items())
 
 
-@pytest.mark.parametrize("optimizer, same_script_ps", [("sgd", True), ("adam", False)])
-def test_sync_fit_equals_one_process_on_the_global_batch(tmp_path: Path, optimizer: str, same_script_ps: bool) -> None:
+@pytest.mark.parametrize("optimizer, same_script_ps, scope", [("sgd", True, False), ("adam", False, True)])
+def test_sync_fit_equals_one_process_on_the_global_batch(tmp_path: Path, optimizer: str, same_script_ps: bool,
+                                                          scope: bool) -> None:
     args = ["--optimizer", optimizer, "--out", str(tmp_path)]
     ref = run_by_hand(SCRIPT, [*args, "--reference"], np=1, timeout=200)[0]
     assert ref.returncode == 0, ref.output
-    tasks = run_ps_by_hand(SCRIPT, args, timeout=240, env=base_env(HOSTREDUCE_TIMEOUT_S="60"),
+    tasks = run_ps_by_hand(SCRIPT, args + ["--scope"] * scope, timeout=240, env=base_env(HOSTREDUCE_TIMEOUT_S="60"),
                            ps_script=None if same_script_ps else PS_SCRIPT)
     output = _output(tasks)
     assert {n: w.returncode for n, w in tasks.items()} == dict.fromkeys(tasks, 0), output
+    for name in ("chief", "worker1") if scope else ():
+        cached = re.search(r"CACHED (\d+) of 500 rows", tasks[name].output)
+        assert cached and int(cached.group(1)) <= 16 * 4 + 1, output  # a batch's distinct ids and the spare
     if same_script_ps:  # the ps ran the script no further than keras_optimizer
         assert "DONE" not in tasks["ps0"].output + tasks["ps1"].output, output
     want = np.load(tmp_path / "ref.npz")
@@ -52,3 +59,36 @@ def test_async_fit_runs_to_its_end(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert f"DONE rank {rank}" in tasks["chief" if rank == 0 else "worker1"].output, output
         assert all(np.isfinite(v).all() for v in np.load(tmp_path / f"{rank}.npz").values())
+
+
+@pytest.mark.timeout(120)
+def test_a_table_looked_up_twice_in_a_step_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In ``strategy.scope()`` a split table is a cache of one lookup's rows per step: a
+    model that looks it up twice gets a SpecError naming the table, not wrong rows."""
+    import json
+
+    import keras
+    import tensorflow as tf
+
+    import hostreduce
+    from hostreduce.errors import SpecError
+    from ps_helpers import LocalCluster
+
+    ps = LocalCluster(2, 1)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "ps": ps.addresses},
+                                                "task": {"type": "chief", "index": 0}}))
+    monkeypatch.setenv("HOSTREDUCE_SECRET", ps.secret)
+    strategy = hostreduce.ParameterServerStrategy(shard_bytes=1_000)
+    try:
+        with strategy.scope():
+            ids = keras.Input((2,), dtype="int32")
+            emb = keras.layers.Embedding(100, 4, name="twice")
+            model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids) + emb(ids + 1))))
+        model.compile(optimizer=strategy.keras_optimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False)
+        data = tf.data.Dataset.from_tensor_slices((np.zeros((4, 2), np.int32), np.zeros((4, 1), np.float32)))
+        with pytest.raises(SpecError, match=r"'twice/embeddings' .* looked up 2 times in one training step"):
+            model.fit(data.batch(2), epochs=1, verbose=0, shuffle=False)
+    finally:
+        strategy.job.end("test over")
+        strategy._keras_lookups.close()  # the lookup route this process kept for its Keras steps
+        ps.stop()

@@ -15,7 +15,9 @@ cache, also when a trace runs before the first fill (the lookup-ids function is 
 and may run on a stale cache; its gathered values are never used).
 
 Each lookup records its global ids while ``model_fn`` is traced (:attr:`looked_up`),
-which is how the worker learns the rows a batch needs before it runs the step.
+which is how the worker learns the rows a batch needs before it runs the step. Where
+the step cannot be known before it runs (Keras ``fit``), :attr:`step_fill` is set: each
+lookup then first runs a host op that pulls its rows into the cache.
 """
 from __future__ import annotations
 
@@ -55,12 +57,19 @@ def _row_cache_class() -> type:
             self.keys = keys            # sorted global ids of the cached rows, then the spare key
             self.looked_up: list[Any] = []
             self.keys_numpy = np.array([_SPARE], np.int64)
+            self.step_fill: Callable[[Any], Any] | None = None  # ids -> rows pulled into the cache
 
         def sparse_read(self, indices: Any, name: Any = None) -> Any:
             ids = tf.cast(indices, tf.int64)
             self.looked_up.append(ids)
-            slots = tf.searchsorted(self.keys, tf.reshape(ids, [-1]), out_type=tf.int64)
-            return super().sparse_read(tf.reshape(slots, tf.shape(ids)), name=name)
+            with contextlib.ExitStack() as stack:
+                if self.step_fill is not None:
+                    fill = self.step_fill
+                    filled = tf.py_function(lambda i: fill(i.numpy()), [tf.reshape(ids, [-1])], tf.int64,
+                                            name="hostreduce_fill_rows")
+                    stack.enter_context(tf.control_dependencies([filled]))
+                slots = tf.searchsorted(self.keys.read_value(), tf.reshape(ids, [-1]), out_type=tf.int64)
+                return super().sparse_read(tf.reshape(slots, tf.shape(ids)), name=name)
 
         def fill(self, ids: np.ndarray, rows: np.ndarray) -> None:
             """Cache ``rows``, the table's rows at the sorted distinct ``ids``."""

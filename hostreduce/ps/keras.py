@@ -1,30 +1,41 @@
 """Keras 3 ``fit`` (and custom loops calling ``apply_gradients``) with the variables and
-the optimizer's state on parameter servers: ``ParameterServerStrategy.keras_optimizer``.
+the optimizer's state on parameter servers: ``ParameterServerStrategy.keras_optimizer``
+and ``ParameterServerStrategy.scope``.
 
-The optimizer it returns is of the user's class (a subclass made once per class, with
-the same name and module) with no state of its own on the worker: its ``build``
-connects the job instead of creating slots (the chief registers the model's trainable
-variables and this optimizer's configuration on the ps, every worker starts from the
-ps's values), and its ``apply`` puts one host op into the traced train step that pushes
-the step's gradients (an embedding's as rows) and pulls back every variable as the ps
-hold them after applying; the variables take those values. Sync mode: the ps average
-the workers' gradients of the step and apply once, as for the Estimator, so the model
-trains as one process would on the global batch.
+The optimizer ``keras_optimizer`` returns is of the user's class (a subclass made once
+per class, with the same name and module) with no state of its own on the worker: its
+``build`` connects the job instead of creating slots (the chief registers the model's
+trainable variables and this optimizer's configuration on the ps, every worker starts
+from the ps's values), and its ``apply`` puts one host op into the traced train step
+that pushes the step's gradients (an embedding's as rows) and pulls back the variables
+as the ps hold them after applying; the variables take those values. Sync mode: the ps
+average the workers' gradients of the step and apply once, as for the Estimator, so the
+model trains as one process would on the global batch.
 
-Every variable travels whole each step, as TensorFlow's own ``ParameterServerStrategy``
-reads its dense variables: the Estimator's row caches, which pull only a batch's rows of
-a large table, need the batch before the step and are not used here.
+A model built inside ``strategy.scope()`` gets, for each table the ps split by rows, a
+row cache (``hostreduce/host/rowcache.py``) instead of a full variable: its lookup
+first runs a host op that pulls the looked-up rows into the cache, the gradient's cache
+slots go back to the ps as global row ids, and only the chief ever computes the table's
+initial value. Every other variable travels whole each step, as TensorFlow's own
+``ParameterServerStrategy`` reads its dense variables.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ClusterError, ConfigError
+from ..errors import ClusterError, ConfigError, SpecError
+from ..host.rowcache import is_row_cache
 
-__all__ = ["keras_optimizer"]
+__all__ = ["keras_optimizer", "variable_scope", "pull_variables"]
+
+
+def _cache(variable: Any) -> Any:
+    value = getattr(variable, "_value", variable)
+    return value if is_row_cache(value) else None
 
 
 class _Exchange:
@@ -33,25 +44,45 @@ class _Exchange:
     def __init__(self, strategy: Any, config: dict[str, Any]) -> None:
         self.strategy, self.config = strategy, config
         self.keys: list[str] = []
+        self.caches: dict[str, Any] = {}  # key -> row cache (a table split by rows)
         self.step = 0
 
     def connect(self, variables: Sequence[Any]) -> None:
-        """Register ``variables`` (the chief) and give them the ps's values (all)."""
+        """Register ``variables`` (the chief) and give them the ps's values (all); a
+        row cache is filled by its lookups."""
         strategy = self.strategy
         self.keys = [f"{i}:{getattr(v, 'path', None) or v.name}" for i, v in enumerate(variables)]
+        self.caches = {k: c for k, c in ((k, _cache(v)) for k, v in zip(self.keys, variables)) if c is not None}
         client = strategy.job.client
         if strategy.is_chief:
-            client.register({k: np.asarray(v.numpy()) for k, v in zip(self.keys, variables)}, self.config,
-                            shard_bytes=strategy.shard_bytes, step=0)
+            values = {k: self.caches[k].initial_value_numpy() if k in self.caches else np.asarray(v.numpy())
+                      for k, v in zip(self.keys, variables)}
+            client.register(values, self.config, shard_bytes=strategy.shard_bytes, step=0)
+            del values
+        for cache in self.caches.values():
+            cache.initial = None  # the ps hold the table now
         client.wait_ready()
         self.step = int(client.info()["step"])
-        values = client.pull(self.keys)
+        values = client.pull(self.dense_keys)
         for key, variable in zip(self.keys, variables):
-            variable.assign(values[key])
+            if key in values:
+                variable.assign(values[key])
+        strategy._keras_exchange = self
+
+    @property
+    def dense_keys(self) -> list[str]:
+        return [k for k in self.keys if k not in self.caches]
+
+    def fill(self, cache: Any, ids: np.ndarray) -> np.int64:
+        """Pull the rows at ``ids`` of ``cache``'s table into it (a lookup's host op)."""
+        key = next(k for k, c in self.caches.items() if c is cache)
+        unique = np.unique(np.asarray(ids, np.int64))
+        cache.fill(unique, self.strategy.job.client.pull_rows({key: unique})[key])
+        return np.int64(len(unique))
 
     def exchange(self, kinds: list[str | None], tensors: Sequence[Any]) -> list[np.ndarray]:
         """Push one step's gradients (``kinds[i]``: "dense", "rows" or None for none),
-        return every variable's value after the ps applied them."""
+        return the values of the variables but the row caches after the ps applied them."""
         client = self.strategy.job.client
         dense, rows, it = {}, {}, iter(tensors)
         for key, kind in zip(self.keys, kinds):
@@ -59,14 +90,14 @@ class _Exchange:
                 dense[key] = next(it).numpy()
             elif kind == "rows":
                 ids = next(it).numpy()
-                rows[key] = (ids, next(it).numpy())
+                rows[key] = (self.caches[key].to_global(ids) if key in self.caches else ids, next(it).numpy())
         if self.strategy.sync:
             client.push(dense, rows, step=self.step + 1)
             self.step += 1
         else:
             client.push(dense, rows)
-        values = client.pull(self.keys)
-        return [values[key] for key in self.keys]
+        values = client.pull(self.dense_keys)
+        return [values[key] for key in self.dense_keys]
 
 
 class _PSUpdate:
@@ -92,6 +123,7 @@ class _PSUpdate:
         if not self.built:
             self.build(variables)
         _check_not_xla()
+        _check_one_lookup(variables)
         kinds: list[str | None] = []
         flat: list[Any] = []
         for g in grads:
@@ -104,11 +136,31 @@ class _PSUpdate:
                 kinds.append("dense")
                 flat.append(g)
         exchange = self._hostreduce_exchange
+        dense = [v for v in variables if _cache(v) is None]
         new = tf.py_function(lambda *t: exchange.exchange(kinds, t), flat,
-                             Tout=[tf.as_dtype(v.dtype) for v in variables], name="hostreduce_ps_exchange")
-        assigns = [v.assign(tf.ensure_shape(n, v.shape)) for v, n in zip(variables, new)]
-        with tf.control_dependencies([a for a in assigns if a is not None]):
+                             Tout=[tf.as_dtype(v.dtype) for v in dense], name="hostreduce_ps_exchange")
+        assigns = [v.assign(tf.ensure_shape(n, v.shape)) for v, n in zip(dense, new)]
+        with tf.control_dependencies([a for a in assigns if a is not None] or new):
             return self.iterations.assign_add(1)
+
+
+def _check_one_lookup(variables: Sequence[Any]) -> None:
+    """A row cache holds the rows of one lookup per step: the gradient of a second
+    lookup in the same step would name slots of rows no longer cached."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    for variable in variables:
+        cache = _cache(variable)
+        if cache is None:
+            continue
+        here = [t for t in cache.looked_up if getattr(t, "graph", None) is graph]
+        cache.looked_up = [t for t in cache.looked_up if getattr(t, "graph", None) is not graph]
+        if len(here) > 1:
+            raise SpecError(f"The table {variable.path!r} (shape {list(cache.full_shape)}) is split by rows over the "
+                            f"parameter servers and is looked up {len(here)} times in one training step; with Keras "
+                            "`fit` it may be looked up once per step: look up all its ids in one call (concatenate "
+                            "them), or build the model outside `strategy.scope()` to pull the table whole each step")
 
 
 _subclasses: dict[type, type] = {}
@@ -151,3 +203,53 @@ def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
     wrapped = _subclass(type(optimizer)).from_config(optimizer.get_config())
     wrapped._hostreduce_exchange = _Exchange(strategy, config)
     return wrapped
+
+
+@contextlib.contextmanager
+def variable_scope(strategy: Any) -> Iterator[None]:
+    """Variables created in this block (a Keras 3 model) as the ps will hold them: each
+    table the ps split by rows as a row cache of the batch's rows (never whole on a
+    worker, its initial value computed only by the chief)."""
+    from ..host.variables import VariableStore
+
+    store = VariableStore(on_host=True)
+    store.shard_tables(len(strategy.cluster.ps_addresses), strategy.shard_bytes)
+    with store.scope():
+        yield
+    for cache in store.row_caches().values():  # traced before the optimizer connects the job
+        cache.step_fill = lambda ids, cache=cache: _connected(strategy).fill(cache, ids)
+    if store.row_caches() and strategy._keras_lookups is None:
+        # Lookups in the train step, traced later, must read the caches' rows (Keras 3's
+        # take reads a variable whole): kept for the life of the process, on this thread.
+        strategy._keras_lookups = contextlib.ExitStack()
+        strategy._keras_lookups.enter_context(_take_rows())
+
+
+@contextlib.contextmanager
+def _take_rows() -> Iterator[None]:
+    from ..host._patch import routed
+    from ..host.rowcache import keras_take
+
+    try:
+        from keras.src.backend.tensorflow import numpy as knp
+    except ImportError:
+        yield
+        return
+    with routed(knp, "take", keras_take):
+        yield
+
+
+def _connected(strategy: Any) -> _Exchange:
+    exchange = strategy._keras_exchange
+    if exchange is None:
+        raise ConfigError("A model built in `ParameterServerStrategy.scope()` reads its tables from the parameter "
+                          "servers: compile it with `strategy.keras_optimizer(...)` and train it first")
+    return exchange
+
+
+def pull_variables(strategy: Any) -> dict[str, np.ndarray]:
+    """Every variable of the model trained through ``strategy.keras_optimizer``, as the
+    ps hold it, by its Keras path; tables split by rows whole (a full copy each)."""
+    exchange = _connected(strategy)
+    values = exchange.strategy.job.client.pull(exchange.keys)
+    return {key.split(":", 1)[1]: value for key, value in values.items()}
