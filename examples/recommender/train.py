@@ -39,9 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", help="checkpoint directory (training resumes from it)")
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps")
     parser.add_argument("--log-steps", type=int, default=50)
+    parser.add_argument("--shard-bytes", type=int, default=4 << 20,
+                        help="tables of at least this many bytes are split by rows over the ps (default 4 MiB)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("vocab", "dim", "batch_size", "steps", "eval_batches"):
+    for name in ("vocab", "dim", "batch_size", "steps", "eval_batches", "shard_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
     if args.vocab < wide_deep.FIELDS:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     # at 4M x 64: tens of seconds on a busy machine) while the other workers wait for it
     # in a collective: give that wait more than the default 30 s, unless the user chose.
     overrides = {} if "HOSTREDUCE_TIMEOUT_S" in os.environ else {"timeout_s": 180.0}
-    strategy = hostreduce.ParameterServerStrategy(sync=args.sync, sparse="lazy",
+    strategy = hostreduce.ParameterServerStrategy(sync=args.sync, sparse="lazy", shard_bytes=args.shard_bytes,
                                                   config=hostreduce.Config.from_env(**overrides))
     chief = strategy.role == "worker" and strategy.is_chief
     logging.basicConfig(level=logging.INFO if chief else logging.WARNING, format="%(message)s")

@@ -20,12 +20,13 @@ concatenated with the numeric features, through ``Dense(256, relu)``,
 fields, added to the logit. Loss: mean sigmoid cross-entropy. Adam applies the
 gradients in ``host_call`` (on the parameter servers under
 ``hostreduce.ParameterServerStrategy``, on the host of each worker under the ring).
+``keras_model`` is the same model as a Keras functional model, for ``model.fit``.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["FIELDS", "DENSE", "HIDDEN", "EVAL_STREAM", "click_batch", "make_input_fn", "model_fn"]
+__all__ = ["FIELDS", "DENSE", "HIDDEN", "EVAL_STREAM", "click_batch", "make_input_fn", "model_fn", "keras_model"]
 
 FIELDS = 8
 DENSE = 13
@@ -110,3 +111,18 @@ def model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
     auc.update_state(labels, probabilities)
     accuracy.update_state(labels, probabilities)
     return EstimatorSpec(mode, loss=loss, eval_metric_ops={"auc": auc, "accuracy": accuracy})
+
+
+def keras_model(vocab: int, dim: int) -> Any:
+    """The same model for Keras ``fit``: inputs ``{"ids", "x"}``, output the click logit."""
+    import keras
+
+    ids = keras.Input((FIELDS,), dtype="int64", name="ids")
+    x = keras.Input((DENSE,), name="x")
+    rows = keras.layers.Embedding(vocab, dim, name="deep_embedding")(ids)
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(rows), x])
+    for i, units in enumerate(HIDDEN):
+        h = keras.layers.Dense(units, activation="relu", name=f"hidden{i}")(h)
+    wide = keras.layers.Embedding(vocab, 1, embeddings_initializer="zeros", name="wide_embedding")(ids)
+    logits = keras.layers.Dense(1, name="logit")(h) + keras.ops.sum(wide, axis=1)
+    return keras.Model({"ids": ids, "x": x}, logits, name="wide_deep")

@@ -124,6 +124,15 @@ class _PSUpdate:
             self.build(variables)
         _check_not_xla()
         _check_one_lookup(variables)
+        for g, v in zip(grads, variables):
+            cache = _cache(v)
+            if cache is not None and g is not None and not isinstance(g, tf.IndexedSlices):
+                raise SpecError(
+                    f"Variable {v.path!r} of shape {list(cache.full_shape)} is split by rows over the parameter "
+                    f"servers (it has at least shard_bytes={self._hostreduce_exchange.strategy.shard_bytes} bytes), "
+                    "so a worker holds only the rows it looks up (Embedding layers, ops.take); it is read whole "
+                    "here. Raise `shard_bytes` of ParameterServerStrategy to keep it whole, or build it outside "
+                    "`strategy.scope()`")
         kinds: list[str | None] = []
         flat: list[Any] = []
         for g in grads:
