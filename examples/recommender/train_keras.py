@@ -28,6 +28,9 @@ log = logging.getLogger("recommender")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model_dir or args.save_steps:
+        sys.exit("train_keras.py: --model-dir/--save-steps are train.py's: checkpoints of the ps shards are not "
+                 "written with Keras fit yet")
 
     import keras
 
