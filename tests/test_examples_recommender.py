@@ -46,6 +46,7 @@ def test_recommender_keras_fit_on_two_ps_and_two_workers() -> None:
     assert len(found) == 1, out
     loss, auc, _ = map(float, found[0])
     assert auc > 0.65 and 0 < loss < 0.69, out
+    assert not re.search(r"\[ps\d\] worker \d+ holds", out), out  # the ps served at keras_optimizer, no further
     for rank in (0, 1):
         held = re.search(rf"worker {rank} holds deep_embedding/embeddings: (\d+) of 8000 rows", out)
         assert held and int(held.group(1)) <= 512 * 8 + 1, out
