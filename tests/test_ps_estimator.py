@@ -28,8 +28,8 @@ STEPS = "6"
 def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
     optimizer = "sgd"  # Adam: the resumed job below
     args = ["--out", str(tmp_path), "--optimizer", optimizer, "--steps", STEPS, "--model-dir", str(tmp_path / "m"),
-            "--evaluate"]
-    tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"))
+            "--evaluate", "--train-and-evaluate"]
+    tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"), evaluator=True)
     output = "\n".join(f"--- {name} ---\n{w.output}" for name, w in tasks.items())
     assert {name: w.returncode for name, w in tasks.items()} == dict.fromkeys(tasks, 0), output
     reference = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(tmp_path),
@@ -39,8 +39,10 @@ def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
     # evaluation after training reads the ps's table (the workers hold only rows of it)
     want = re.search(r"EVAL rank 0: loss (\S+) mse (\S+)", reference.stdout)
     assert want is not None, reference.stdout[-2000:]
-    for name, rank in (("chief", 0), ("worker1", 1)):
-        got = re.search(rf"EVAL rank {rank}: loss (\S+) mse (\S+)", tasks[name].output)
+    # the evaluator task evaluated the final checkpoint, reading the table from the ps shards
+    evaluator = re.search(rf"EVALUATOR step {STEPS}: loss (\S+) mse (\S+)", tasks["evaluator"].output)
+    for name, rank in (("chief", 0), ("worker1", 1), ("evaluator", None)):
+        got = evaluator if rank is None else re.search(rf"EVAL rank {rank}: loss (\S+) mse (\S+)", tasks[name].output)
         assert got is not None, output
         for g, w in zip(got.groups(), want.groups()):
             assert abs(float(g) - float(w)) <= 1e-5 * abs(float(w)), (name, got.groups(), want.groups())

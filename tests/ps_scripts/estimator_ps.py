@@ -5,6 +5,7 @@ variables to ``--out/<rank>.npz``."""
 import argparse
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -31,6 +32,7 @@ parser.add_argument("--async", dest="sync", action="store_false", help="Paramete
 parser.add_argument("--fail-at", type=int, help="worker 1 fails after this step: --fail-how")
 parser.add_argument("--fail-how", choices=("kill", "raise"), default="raise", help="SIGKILL itself or raise")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step of the chief lasts more")
+parser.add_argument("--train-and-evaluate", action="store_true", help="train_and_evaluate (with an evaluator task)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 if args.progress:
@@ -91,7 +93,7 @@ else:
     config = hostreduce.RunConfig(train_distribute=strategy, model_dir=args.model_dir,
                                    save_checkpoints_steps=args.save_steps, keep_checkpoint_max=args.keep)
 estimator = hostreduce.Estimator(model_fn, config=config)
-rank = 0 if args.reference else estimator.strategy.rank
+rank = 0 if args.reference or estimator.strategy.role != "worker" else estimator.strategy.rank
 
 
 def hook(step, loss):
@@ -104,7 +106,15 @@ def hook(step, loss):
         raise RuntimeError(f"worker 1 fails on purpose after step {step}")
 
 
-estimator.train(input_fn, max_steps=args.steps, hooks=[hook])
+if args.train_and_evaluate:  # an evaluator task evaluates each checkpoint (the others train)
+    metrics, _ = hostreduce.train_and_evaluate(estimator, hostreduce.TrainSpec(input_fn, args.steps, (hook,)),
+                                               hostreduce.EvalSpec(eval_input_fn, steps=None))
+    if estimator.strategy.role == "evaluator":
+        print(f"EVALUATOR step {metrics['global_step']}: loss {metrics['loss']!r} mse {metrics['mse']!r}",
+              flush=True)
+        sys.exit(0)
+else:
+    estimator.train(input_fn, max_steps=args.steps, hooks=[hook])
 if args.evaluate:
     results = estimator.evaluate(eval_input_fn)
     print(f"EVAL rank {rank}: loss {results['loss']!r} mse {results['mse']!r}", flush=True)
