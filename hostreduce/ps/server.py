@@ -173,7 +173,10 @@ class ParameterServer:
         return {}, self.store.pull(list(h["names"]))
 
     def _pullrows(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        return {}, [self.store.pull_rows(n, ids) for n, ids in zip(h["names"], a, strict=True)]
+        """The rows of ``names`` at the ids in the arrays, then the values of the dense
+        variables named ``dense`` (a training step's pull, one call)."""
+        rows = [self.store.pull_rows(n, ids) for n, ids in zip(h["names"], a, strict=True)]
+        return {}, rows + self.store.pull(list(h.get("dense", ())))
 
     def _push(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         dense_names, row_names = list(h["dense"]), list(h["rows"])
