@@ -30,6 +30,7 @@ from ..errors import ClusterError, ConfigError, HostReduceError, TensorMismatchE
 from . import checkpoint, wire
 from .barrier import Contribution, StepBarrier
 from .handshake import Gate
+from .malloc import tune_for_ps
 from .placement import Placement
 from .store import ShardStore
 
@@ -70,6 +71,7 @@ class ParameterServer:
     def start(self) -> None:
         import grpc
 
+        tune_for_ps()  # this process's buffers stay mapped between steps (malloc.py)
         addr = self.addresses[self.index]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
