@@ -6,7 +6,7 @@ raised as such blocks are freed) with a fresh ``mmap`` and gives it back with
 ``munmap``, and returns the top of a heap to the system once more than the trim
 threshold is free there. Either way, the next step's buffers are new pages: a page
 fault per 4 KiB, paid again every step. Measured on the parameter-server benchmark:
-a third of a ps's CPU time per step. Fixed thresholds (the mmap threshold no longer
+a quarter to a third of a ps's CPU time per step. Fixed thresholds (the mmap threshold no longer
 moves once set) keep those buffers in the heap: blocks below ``MMAP_THRESHOLD``
 come from it, and up to ``TRIM_THRESHOLD`` of free memory stays mapped for reuse.
 Larger blocks (a shard's registration, a checkpoint's snapshot) are still mapped
