@@ -8,7 +8,9 @@ values, and that optimizer on the ps. Each step then:
 1. pulls the variables into this worker's TF variables: dense ones whole; a variable
    whose gradient is an ``IndexedSlices`` (an embedding table) only at the rows the
    batch looks up, found by a second traced function that computes just the lookup's
-   indices from the batch (the rest of the step is pruned from it);
+   indices from the batch (its outputs do not depend on the rest of the step), or read
+   from the batch with numpy when they are features as they are (``direct_ids.py``);
+   all in one call per ps;
 2. runs forward and backward on the device;
 3. pushes the gradients, an embedding's as (indices, rows), and waits (sync) until the
    ps applied the step.

@@ -30,7 +30,6 @@ from ..errors import ClusterError, ConfigError, HostReduceError, TensorMismatchE
 from . import checkpoint, wire
 from .barrier import Contribution, StepBarrier
 from .handshake import Gate
-from .malloc import tune_for_ps
 from .placement import Placement
 from .store import ShardStore
 
@@ -42,7 +41,7 @@ log = logging.getLogger("hostreduce.ps")
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
-                 chief_timeout_s: float | None = None) -> None:
+                 chief_timeout_s: float | None = None, tune_malloc: bool = True) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -65,13 +64,17 @@ class ParameterServer:
         self._done = threading.Event()
         self._server: Any = None
         self.chief_timeout_s = chief_timeout_s
+        self.tune_malloc = tune_malloc     # Config.tune_malloc, as the ring's processes
         self.failure: str | None = None   # why serving ended other than by a successful job's Shutdown
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
         import grpc
 
-        tune_for_ps()  # this process's buffers stay mapped between steps (malloc.py)
+        if self.tune_malloc:  # each step's message buffers: reused, not page-faulted in afresh
+            from ..reducers.ring._malloc import tune_malloc
+
+            tune_malloc()
         addr = self.addresses[self.index]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
