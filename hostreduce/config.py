@@ -62,7 +62,8 @@ class Config:
             directly (Linux cross-memory attach; probed at start, with a fallback to
             copying through shared segments when the system forbids it).
         tune_malloc: raise glibc's malloc thresholds so that per-message buffers are
-            reused instead of page-faulted in afresh (see ``reducers/ring/_malloc.py``).
+            reused instead of page-faulted in afresh (see ``reducers/ring/_malloc.py``),
+            in the ring's processes and in parameter servers.
         fast_lane: on one host, a blocking ``allreduce`` with nothing else in flight on
             its rank skips the negotiation through rank 0 when every rank submits the
             same collective: the ranks agree through shared memory and the calling

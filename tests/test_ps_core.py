@@ -331,16 +331,14 @@ def _push_catching(client, failed: list) -> None:
 
 
 class _SilentCall:
-    """A gRPC method whose calls never report their end (no done callback ever runs)."""
+    """A gRPC method whose calls never end (until the test releases them)."""
 
-    def future(self, request, timeout=None, metadata=None):
-        return self
+    def __init__(self) -> None:
+        self.release = threading.Event()
 
-    def add_done_callback(self, fn) -> None:
-        pass
-
-    def cancel(self) -> bool:
-        return True
+    def __call__(self, request, timeout=None, metadata=None):
+        self.release.wait(30)
+        raise RuntimeError("released")
 
 
 @pytest.mark.timeout(20)
@@ -351,14 +349,16 @@ def test_a_call_whose_end_is_never_reported_fails_naming_the_ps(monkeypatch):
 
     monkeypatch.setattr(client_module, "_GRACE_S", 0.3, raising=False)
     cluster = LocalCluster(2, 1, timeout_s=0.5)
+    silent = _SilentCall()
     try:
         c = cluster.client(0, timeout_s=0.5)
-        c._stubs[1] = dict(c._stubs[1], Info=_SilentCall())
+        c._stubs[1] = dict(c._stubs[1], Info=silent)
         t0 = time.monotonic()
         with pytest.raises(PeerLostError, match=f"ps task 1 at '{cluster.addresses[1]}' did not answer Info"):
             c.heartbeat()
         assert time.monotonic() - t0 < 0.5 + 0.3 + 1.0
     finally:
+        silent.release.set()
         cluster.stop()
 
 
@@ -426,7 +426,7 @@ def test_row_traffic_grows_with_the_batch_not_the_table():
     assert 1.8 < sent[200_000, 1024] / sent[200_000, 512] < 2.2, sent                     # the batch
 
 
-def test_pull_step_equals_pull_rows_and_pull_in_one_round_trip():
+def test_pull_step_equals_pull_rows_and_pull_in_one_call_per_ps():
     cluster = LocalCluster(2, 1, mode="async")
     try:
         c = cluster.client(0)
@@ -436,13 +436,18 @@ def test_pull_step_equals_pull_rows_and_pull_in_one_round_trip():
         c.register(values, Adagrad(0.1), shard_bytes=1 << 14)   # the table split over both ps, w and b whole
         ids = rng.integers(0, 5000, size=(64, 3))                 # repeats included
         c.bytes_sent.clear()
+        c.bytes_received.clear()
         rows, dense = c.pull_step({"table": ids}, ["w", "b"])
         assert rows.keys() == {"table"} and dense.keys() == {"w", "b"}
         np.testing.assert_array_equal(rows["table"], values["table"][ids])
         for n in ("w", "b"):
             np.testing.assert_array_equal(dense[n], values[n])
-        assert set(c.bytes_sent) == {"PullRows", "PullDense"}, c.bytes_sent
+        # One PullRows call per ps; the dense values' bytes of its reply are counted as PullDense's.
+        assert set(c.bytes_sent) == {"PullRows"}, c.bytes_sent
+        assert c.bytes_received["PullDense"] == values["w"].nbytes + values["b"].nbytes, c.bytes_received
         np.testing.assert_array_equal(c.pull_rows({"table": ids})["table"], rows["table"])
+        distinct = np.unique(ids)                                 # a training step's ids: sorted, distinct
+        np.testing.assert_array_equal(c.pull_step({"table": distinct}, ["b"])[0]["table"], values["table"][distinct])
         only_rows, none = c.pull_step({"table": ids[:2]}, [])
         assert none == {} and only_rows["table"].shape == (2, 3, 8)
     finally:

@@ -8,7 +8,9 @@ values, and that optimizer on the ps. Each step then:
 1. pulls the variables into this worker's TF variables: dense ones whole; a variable
    whose gradient is an ``IndexedSlices`` (an embedding table) only at the rows the
    batch looks up, found by a second traced function that computes just the lookup's
-   indices from the batch (the rest of the step is pruned from it);
+   indices from the batch (its outputs do not depend on the rest of the step), or read
+   from the batch with numpy when they are features as they are (``direct_ids.py``);
+   all in one call per ps;
 2. runs forward and backward on the device;
 3. pushes the gradients, an embedding's as (indices, rows), and waits (sync) until the
    ps applied the step.
@@ -36,6 +38,7 @@ import numpy as np
 from ..errors import SpecError
 from ..host.capture import capture_updates, host_optimizer_config
 from ..host.gradients import recording, sparse_gradients
+from .direct_ids import feature_sources, read_ids
 from .mode_keys import ModeKeys
 from .programs import _as_output, _ProgramBase
 from .progress import logger, progress
@@ -62,6 +65,7 @@ class PSTrainProgram(_ProgramBase):
         self._model_dir: str | None = None
         self._keep = 3
         self._optimizers: list[Any] = []
+        self._direct: dict[str, Any] | None = None  # lookup ids read from the batch (direct_ids.py)
         self.store.shard_tables(len(strategy.cluster.ps_addresses), strategy.shard_bytes)
         self.function = self._trace(self._step)
         self.caches = self.store.row_caches()
@@ -132,6 +136,18 @@ class PSTrainProgram(_ProgramBase):
             if cache.looked_up:
                 out[f"lookups{j}"] = tf.concat([tf.reshape(ids, [-1]) for ids in cache.looked_up], axis=0)
         return out
+
+    def _lookup_ids(self, features: Any, labels: Any) -> dict[str, Any]:
+        """The step's lookup ids by output name: read from the batch when they are
+        features as they are (``direct_ids.py``), else from ``ids_function``."""
+        import tensorflow as tf
+
+        if self._direct is None:
+            outputs = list(self.ids_function.get_concrete_function().structured_outputs)
+            self._direct = feature_sources(self.ids_function, outputs) or {}
+        if self._direct:
+            return read_ids(self._direct, tf.nest.flatten([features, labels] if self.has_labels else [features]))
+        return self._call(self.ids_function, features, labels)
 
     def _call(self, function: Any, features: Any, labels: Any) -> Any:
         return function(features, labels) if self.has_labels else function(features)
@@ -236,7 +252,7 @@ class PSTrainProgram(_ProgramBase):
         client = self.strategy.job.client
         ids: dict[str, np.ndarray] = {}
         if self.ids_function is not None:
-            found = self._call(self.ids_function, features, labels)
+            found = self._lookup_ids(features, labels)
             for name, key in [(f"ids{i}", k) for i, (k, s) in enumerate(zip(self.keys, self.sparse)) if s] + \
                     [(f"lookups{j}", k) for j, k in enumerate(self.caches)]:
                 if name in found:

@@ -1,5 +1,5 @@
 """A worker's view of the parameter servers: one call fans out to every ps concerned at
-once (gRPC futures, no threads), and the answers are merged back into whole variables.
+once (blocking gRPC calls on ``calls.py``'s threads), and the answers are merged back into whole variables.
 
 Rows: the ids of a lookup are made unique first, routed to the ps that hold them
 (``placement.route``) and the pulled rows spread back over the original positions;
@@ -8,7 +8,8 @@ per distinct id of the batch, whatever the size of the table.
 
 Every call has a deadline of ``timeout_s``; a ps that dies or stops answering raises
 PeerLostError naming its task and address at once (a closed connection) or at the
-deadline (a hung one), and the calls still in flight to the other ps are cancelled.
+deadline (a hung one); the calls still in flight to the other ps are abandoned
+(``calls.py``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 from .. import errors
 from ..errors import ConfigError, PeerLostError
 from . import checkpoint, wire
+from .calls import CallThreads
 from .handshake import SESSION_KEY, login
 from .optimizers import HostOptimizer
 from .placement import DEFAULT_SHARD_BYTES, Placement, VarSpec, place
@@ -46,6 +48,7 @@ class PSClient:
         self._stubs: list[dict[str, Any]] = []
         self._meta: list[tuple] = []
         self._channels: list[Any] = []
+        self._threads = CallThreads(f"hostreduce-ps-client{rank}")
         self._connect(connect_timeout_s)
 
     # ------------------------------------------------------------------ plumbing
@@ -88,37 +91,32 @@ class PSClient:
         """Every request of every ``(method, {ps: request})`` in flight at once (one
         round trip for all); the unpacked replies of each batch, by ps."""
         done: queue.Queue = queue.Queue()  # not a SimpleQueue: its get() can overrun its timeout
-        calls = {}
         deadline_s = timeout or self.timeout_s
+        waiting = set()
         for i, (method, requests) in enumerate(batches):
             for m, req in requests.items():
                 self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
-                fut = self._stubs[m][method].future(req, timeout=deadline_s, metadata=self._meta[m])
-                fut.add_done_callback(lambda f, i=i, m=m: done.put((i, m, f)))
-                calls[i, m] = fut
+                waiting.add((i, m))
+                self._threads.submit(self._stubs[m][method], (req, deadline_s, self._meta[m]),
+                                     lambda raw, exc, i=i, m=m: done.put((i, m, raw, exc)))
         out: list[dict[int, tuple[dict, list[np.ndarray]]]] = [{} for _ in batches]
         # gRPC ends every call by its deadline; this bound only guards against a call
         # whose end is never reported, so that no wait here is without a limit.
         give_up = time.monotonic() + deadline_s + _GRACE_S
-        try:
-            for _ in range(len(calls)):
-                try:
-                    i, m, fut = done.get(timeout=max(0.0, give_up - time.monotonic()))
-                except queue.Empty:
-                    i, m = min(key for key in calls if key[1] not in out[key[0]])
-                    raise PeerLostError(f"Worker {self.rank}: ps task {m} at {self.addresses[m]!r} did not answer "
-                                        f"{batches[i][0]} within {deadline_s:g} s (the ps is hung or unreachable)"
-                                        ) from None
-                method = batches[i][0]
-                exc = fut.exception()
-                if exc is not None:
-                    raise self._error(m, method, exc)
-                raw = fut.result()
-                self.bytes_received[method] = self.bytes_received.get(method, 0) + len(raw)
-                out[i][m] = wire.unpack(raw)
-        finally:
-            for fut in calls.values():
-                fut.cancel()
+        while waiting:
+            try:
+                i, m, raw, exc = done.get(timeout=max(0.0, give_up - time.monotonic()))
+            except queue.Empty:
+                i, m = min(waiting)
+                raise PeerLostError(f"Worker {self.rank}: ps task {m} at {self.addresses[m]!r} did not answer "
+                                    f"{batches[i][0]} within {deadline_s:g} s (the ps is hung or unreachable)"
+                                    ) from None
+            waiting.discard((i, m))
+            method = batches[i][0]
+            if exc is not None:
+                raise self._error(m, method, exc)
+            self.bytes_received[method] = self.bytes_received.get(method, 0) + len(raw)
+            out[i][m] = wire.unpack(raw)
         return out
 
     def _need(self) -> Placement:
@@ -180,17 +178,32 @@ class PSClient:
 
     def pull_step(self, ids: Mapping[str, np.ndarray], names: Sequence[str]
                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """``(pull_rows(ids), pull(names))`` in one round trip: both sets of requests are
-        in flight together, as a training step needs its rows and its dense variables."""
-        rows, dense = self._rows_requests(ids), self._dense_requests(list(names))
-        batches = [("PullRows", rows[2])] + ([("PullDense", dense[2])] if dense[2] else [])
-        replies = self._call_all(batches)
-        return self._merge_rows(rows, replies[0]), self._merge_dense(dense, replies[1] if dense[2] else {})
+        """``(pull_rows(ids), pull(names))`` in one call per ps, as a training step needs
+        its rows and its dense variables: a ps's ``PullRows`` request names the dense
+        variables it holds too, and its reply carries them after the rows. (Each call
+        costs both ends far more than its bytes: the fewer, the shorter the step.)
+        The bytes of the dense values are counted as ``PullDense``'s."""
+        rows, dense = self._rows_requests(ids, pack=False), self._dense_requests(list(names), pack=False)
+        requests = {}
+        for m in range(self._need().num_ps):
+            row_names, row_ids = rows[1][m]
+            if row_names or dense[1][m]:
+                requests[m] = wire.pack({"names": row_names, "dense": dense[1][m]}, row_ids)
+        replies = self._call("PullRows", requests)
+        row_replies, dense_replies = {}, {}
+        for m, (header, arrays) in replies.items():
+            k = len(rows[1][m][0])
+            row_replies[m], dense_replies[m] = (header, arrays[:k]), (header, arrays[k:])
+            moved = sum(a.nbytes for a in arrays[k:])
+            self.bytes_received["PullRows"] -= moved
+            self.bytes_received["PullDense"] = self.bytes_received.get("PullDense", 0) + moved
+        return self._merge_rows(rows, row_replies), self._merge_dense(dense, dense_replies)
 
-    def _dense_requests(self, names: list[str]) -> tuple[list[str], dict[int, list[str]], dict[int, bytes]]:
+    def _dense_requests(self, names: list[str], pack: bool = True
+                        ) -> tuple[list[str], dict[int, list[str]], dict[int, bytes]]:
         p = self._need()
         per_ps = {m: [n for n in names if p[n].local_rows(m) > 0 or p[n].ps == m] for m in range(p.num_ps)}
-        return names, per_ps, {m: wire.pack({"names": ns}) for m, ns in per_ps.items() if ns}
+        return names, per_ps, {m: wire.pack({"names": ns}) for m, ns in per_ps.items() if ns and pack}
 
     def _merge_dense(self, request: tuple[list[str], dict[int, list[str]], dict[int, bytes]],
                      replies: Mapping[int, tuple[dict, list[np.ndarray]]]) -> dict[str, np.ndarray]:
@@ -207,20 +220,23 @@ class PSClient:
                                  for m in range(p.num_ps)])
         return out
 
-    def _rows_requests(self, ids: Mapping[str, np.ndarray]
+    def _rows_requests(self, ids: Mapping[str, np.ndarray], pack: bool = True
                        ) -> tuple[list, dict[int, tuple[list, list]], dict[int, bytes]]:
         p = self._need()
         plan, requests = [], {m: ([], []) for m in range(p.num_ps)}
         for n, raw in ids.items():
             flat = np.asarray(raw, dtype=np.int64)
-            uniq, inverse = np.unique(flat.reshape(-1), return_inverse=True)
+            if flat.ndim == 1 and bool(np.all(flat[1:] > flat[:-1])):  # sorted and distinct already (a step's ids)
+                uniq, inverse = flat, None
+            else:
+                uniq, inverse = np.unique(flat.reshape(-1), return_inverse=True)
             routes = p[n].route(uniq)
             plan.append((n, flat.shape, uniq, inverse, routes))
             for m, (pos, local) in enumerate(routes):
                 if len(pos):
                     requests[m][0].append(n)
                     requests[m][1].append(local)
-        packed = {m: wire.pack({"names": ns}, arrs) for m, (ns, arrs) in requests.items() if ns}
+        packed = {m: wire.pack({"names": ns}, arrs) for m, (ns, arrs) in requests.items() if ns and pack}
         return plan, requests, packed
 
     def _merge_rows(self, request: tuple[list, dict[int, tuple[list, list]], dict[int, bytes]],
@@ -234,7 +250,8 @@ class PSClient:
             for m, (pos, _) in enumerate(routes):
                 if len(pos):
                     rows[pos] = got[m][n]
-            out[n] = np.take(rows, inverse.reshape(-1), axis=0).reshape(shape + rows.shape[1:])
+            out[n] = rows if inverse is None else np.take(rows, inverse.reshape(-1), axis=0).reshape(
+                shape + rows.shape[1:])
         return out
 
     # ------------------------------------------------------------------ pushes
@@ -324,3 +341,4 @@ class PSClient:
         for channel in self._channels:
             channel.close()
         self._channels = []
+        self._threads.close()

@@ -52,7 +52,8 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
     timeout = config.timeout_s if timeout_s is None else float(timeout_s)
     return ParameterServer(spec.task_index, list(spec.ps_addresses), len(spec.worker_addresses), config.secret,
                            mode=mode, timeout_s=timeout, reduce=reduce,
-                           chief_timeout_s=4 * timeout if chief_timeout_s is None else chief_timeout_s)
+                           chief_timeout_s=4 * timeout if chief_timeout_s is None else chief_timeout_s,
+                           tune_malloc=config.tune_malloc)
 
 
 def serve_from_env(**kwargs: Any) -> None:

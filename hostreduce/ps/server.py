@@ -48,7 +48,7 @@ log = logging.getLogger("hostreduce.ps")
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
-                 chief_timeout_s: float | None = None) -> None:
+                 chief_timeout_s: float | None = None, tune_malloc: bool = True) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -74,12 +74,17 @@ class ParameterServer:
         self._stopped = threading.Event()
         self._server: Any = None
         self.chief_timeout_s = chief_timeout_s
+        self.tune_malloc = tune_malloc     # Config.tune_malloc, as the ring's processes
         self.failure: str | None = None   # why serving ended other than by a successful job's Shutdown
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
         import grpc
 
+        if self.tune_malloc:  # each step's message buffers: reused, not page-faulted in afresh
+            from ..reducers.ring._malloc import tune_malloc
+
+            tune_malloc()
         addr = self.addresses[self.index]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
@@ -203,7 +208,10 @@ class ParameterServer:
         return {}, self.store.pull(list(h["names"]))
 
     def _pullrows(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        return {}, [self.store.pull_rows(n, ids) for n, ids in zip(h["names"], a, strict=True)]
+        """The rows of ``names`` at the ids in the arrays, then the values of the dense
+        variables named ``dense`` (a training step's pull, one call)."""
+        rows = [self.store.pull_rows(n, ids) for n, ids in zip(h["names"], a, strict=True)]
+        return {}, rows + self.store.pull(list(h.get("dense", ())))
 
     def _push(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         dense_names, row_names = list(h["dense"]), list(h["rows"])
