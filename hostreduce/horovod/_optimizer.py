@@ -28,7 +28,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..host._keras import keras_of, underlying_variable
+from ..host._keras import keras_of, optimizer_subclass, underlying_variable
 from . import _engine
 from ._ops import ReduceOp, reduce_gradients
 
@@ -176,20 +176,8 @@ class _TfKerasUpdate:
             return base.apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
 
 
-_subclasses: dict[type, type] = {}
-_subclasses_lock = threading.Lock()
-
-
 def _subclass(base: type, package: str) -> type:
-    with _subclasses_lock:
-        cls = _subclasses.get(base)
-        if cls is None:
-            methods = _Keras3Update if package == "keras" else _TfKerasUpdate
-            namespace = {k: v for k, v in vars(methods).items() if callable(v)}
-            namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, __doc__=base.__doc__,
-                             _hostreduce_base=base)
-            cls = _subclasses[base] = type(base.__name__, (base,), namespace)
-        return cls
+    return optimizer_subclass(base, _Keras3Update if package == "keras" else _TfKerasUpdate, _hostreduce_base=base)
 
 
 def is_wrapped(optimizer: Any) -> bool:

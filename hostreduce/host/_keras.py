@@ -8,10 +8,11 @@ that handles an optimizer or variable asks its own package, never ``import keras
 from __future__ import annotations
 
 import sys
+import threading
 from types import ModuleType
 from typing import Any
 
-__all__ = ["loaded_kerases", "keras_of", "underlying_variable"]
+__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_subclass"]
 
 _PACKAGES = ("keras", "tf_keras")
 
@@ -41,3 +42,21 @@ def underlying_variable(variable: Any) -> Any:
         return variable
     value = getattr(variable, "_value", None)
     return value if isinstance(value, tf.Variable) else None
+
+
+_subclasses: dict[tuple[type, type], type] = {}
+_subclasses_lock = threading.Lock()
+
+
+def optimizer_subclass(base: type, methods: type, **attributes: Any) -> type:
+    """The subclass of the optimizer class ``base`` with the methods of ``methods`` (and
+    ``attributes``), made once per pair. It keeps ``base``'s name, module and docstring,
+    so Keras saves and names its instances as ``base``'s."""
+    with _subclasses_lock:
+        cls = _subclasses.get((base, methods))
+        if cls is None:
+            namespace = {k: v for k, v in vars(methods).items() if callable(v)}
+            namespace.update(attributes, __module__=base.__module__, __qualname__=base.__qualname__,
+                             __doc__=base.__doc__)
+            cls = _subclasses[base, methods] = type(base.__name__, (base,), namespace)
+        return cls

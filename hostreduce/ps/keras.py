@@ -22,7 +22,6 @@ initial value. Every other variable travels whole each step, as TensorFlow's own
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -45,6 +44,7 @@ class _Exchange:
         self.strategy, self.config = strategy, config
         self.keys: list[str] = []
         self.caches: dict[str, Any] = {}  # key -> row cache (a table split by rows)
+        self._key_of: dict[int, str] = {}
         self.step = 0
 
     def connect(self, variables: Sequence[Any]) -> None:
@@ -53,6 +53,7 @@ class _Exchange:
         strategy = self.strategy
         self.keys = [f"{i}:{getattr(v, 'path', None) or v.name}" for i, v in enumerate(variables)]
         self.caches = {k: c for k, c in ((k, _cache(v)) for k, v in zip(self.keys, variables)) if c is not None}
+        self._key_of = {id(c): k for k, c in self.caches.items()}
         client = strategy.job.client
         if strategy.is_chief:
             values = {k: self.caches[k].initial_value_numpy() if k in self.caches else np.asarray(v.numpy())
@@ -75,7 +76,7 @@ class _Exchange:
 
     def fill(self, cache: Any, ids: np.ndarray) -> np.int64:
         """Pull the rows at ``ids`` of ``cache``'s table into it (a lookup's host op)."""
-        key = next(k for k, c in self.caches.items() if c is cache)
+        key = self._key_of[id(cache)]
         unique = np.unique(np.asarray(ids, np.int64))
         cache.fill(unique, self.strategy.job.client.pull_rows({key: unique})[key])
         return np.int64(len(unique))
@@ -172,25 +173,11 @@ def _check_one_lookup(variables: Sequence[Any]) -> None:
                             "them), or build the model outside `strategy.scope()` to pull the table whole each step")
 
 
-_subclasses: dict[type, type] = {}
-_lock = threading.Lock()
-
-
-def _subclass(base: type) -> type:
-    with _lock:
-        cls = _subclasses.get(base)
-        if cls is None:
-            namespace = {k: v for k, v in vars(_PSUpdate).items() if callable(v)}
-            namespace.update(__module__=base.__module__, __qualname__=base.__qualname__, __doc__=base.__doc__)
-            cls = _subclasses[base] = type(base.__name__, (base,), namespace)
-        return cls
-
-
 def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
     """``optimizer`` (a Keras 3 SGD, Adam or Adagrad, constant learning rate, not used
     yet) with its variables and slots on ``strategy``'s parameter servers; on a ``ps``
     task this serves until the chief ends the job, then exits 0."""
-    from ..host._keras import keras_of
+    from ..host._keras import keras_of, optimizer_subclass
     from ..host.capture import host_optimizer_config
 
     role = strategy.role
@@ -209,7 +196,7 @@ def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
         raise ConfigError("`optimizer` must not have been used yet: wrap it before training (its state would be "
                           f"lost). Received: an optimizer at iteration {int(optimizer.iterations.numpy())}")
     config = host_optimizer_config([optimizer], strategy.sparse)  # refuses what the ps cannot apply
-    wrapped = _subclass(type(optimizer)).from_config(optimizer.get_config())
+    wrapped = optimizer_subclass(type(optimizer), _PSUpdate).from_config(optimizer.get_config())
     wrapped._hostreduce_exchange = _Exchange(strategy, config)
     return wrapped
 
