@@ -130,7 +130,9 @@ def connect_with_secret(rank: int, size: int, secrets: list[str]) -> str:
     os.environ["HOSTREDUCE_SECRET"] = secrets[rank]
     start = time.monotonic()
     try:
-        with make_reducer("grpc", connect_timeout_s=10.0) as r:
+        # A rank whose peer refused it and left at once waits for its connect timeout (a
+        # stranger claiming a rank must not end a start-up), whose error names the refusal.
+        with make_reducer("grpc", connect_timeout_s=4.0) as r:
             r.allreduce("x", np.ones(3, np.float32))
         return "connected"
     except Exception as e:

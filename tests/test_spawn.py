@@ -11,9 +11,19 @@ from hostreduce.testing import (
     RankFailedError,
     RankOutcome,
     RankTimeoutError,
+    preload,
     run_ranks,
     run_ranks_allow_failure,
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_ranks():
+    """These tests are about ranks started as fresh interpreters (the suite's conftest
+    preloads TensorFlow for every other test); the preloading tests turn it on."""
+    before = preload(None)
+    yield
+    preload(before)
 
 
 class _PeerGone(RuntimeError):
@@ -34,6 +44,11 @@ def _identity(rank: int, world_size: int, tag: str) -> dict:
         "removed": os.environ.get("SPAWN_TEST_REMOVED"),
         "tf_loaded": "tensorflow" in __import__("sys").modules,
     }
+
+
+def _print_and_identify(rank: int, world_size: int, tag: str) -> dict:
+    print(f"rank {rank} says hello", flush=True)
+    return _identity(rank, world_size, tag)
 
 
 def _raise_on_rank1(rank: int, world_size: int) -> int:
@@ -170,3 +185,45 @@ def test_bad_arguments() -> None:
         run_ranks(_identity, 1, timeout=-1)
     with pytest.raises(TypeError, match="top-level"):
         run_ranks(lambda r, w: r, 1)
+
+
+@pytest.mark.timeout(120)
+def test_preloaded_ranks_fork_from_the_server_with_the_callers_environment_and_output(capfd) -> None:
+    pytest.importorskip("tensorflow")
+    preload(["tensorflow"])
+    os.environ["SPAWN_TEST_REMOVED"] = "present-in-parent"
+    try:
+        results = run_ranks(_print_and_identify, 2, args=("p",), timeout=90,
+                            env={"SPAWN_TEST_EXTRA": "x", "SPAWN_TEST_REMOVED": None})
+        # a variable TensorFlow reads when it is imported, set for the ranks: fresh ranks
+        fresh = run_ranks(_identity, 2, args=("f",), timeout=90, env={"TF_USE_LEGACY_KERAS": "0"})
+    finally:
+        del os.environ["SPAWN_TEST_REMOVED"]
+    assert all(r["tf_loaded"] for r in results), results
+    assert all(r["extra"] == "x" and r["removed"] is None for r in results)
+    assert [r["task"] for r in results] == [{"type": "worker", "index": i} for i in range(2)]
+    assert not any(r["tf_loaded"] for r in fresh), fresh
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_preloaded_ranks_still_fail_fast_and_die_with_the_run(tmp_path) -> None:
+    pytest.importorskip("tensorflow")
+    preload(["tensorflow"])
+    base = str(tmp_path / "pid")
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_write_pid_then, 2, args=(base,), timeout=60)
+    assert info.value.rank == 0 and "rank 0 gives up" in str(info.value)
+    pid = int(open(f"{base}.1").read())
+    deadline = time.monotonic() + 10
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(pid)
+    with pytest.raises(RankTimeoutError):
+        run_ranks(_hang_on_last, 2, timeout=3)
+
+
+def test_preload_checks_its_argument() -> None:
+    with pytest.raises(TypeError, match="`modules` must be a list of module names or None. Received: modules='numpy'"):
+        preload("numpy")

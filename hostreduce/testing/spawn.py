@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..cluster import format_tf_config
 from ..launch.runner import free_ports
+from .preloading import Inherited, rank_context
 
 __all__ = [
     "run_ranks",
@@ -98,8 +99,10 @@ class RankOutcome(str):
 # --------------------------------------------------------------------------- child side
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (best effort)."""
+def _die_with_parent(parent_pid: int, forked: bool) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (best effort). A rank
+    forked by the fork server (``forked``) dies with the server, which ends when the
+    caller does."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -109,8 +112,18 @@ def _die_with_parent(parent_pid: int) -> None:
         libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:
+    if (not forked and os.getppid() != parent_pid) or not _alive(parent_pid):
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _rank_main(
@@ -121,13 +134,16 @@ def _rank_main(
     env: Mapping[str, str | None],
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
+    inherited: Inherited | None = None,
 ) -> None:
     """Body of one rank process: set up the environment, run ``fn``, report back."""
     try:
         os.setsid()  # Own process group, so the parent can kill whatever this rank starts.
     except OSError:
         pass
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, forked=inherited is not None)
+    if inherited is not None:
+        inherited.apply()
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -209,7 +225,7 @@ def _run(
 ) -> tuple[list[Any], list[int], int | None]:
     """Run the ranks; returns (outcome per rank, ranks that timed out, first failed rank)."""
     _check_args(fn, world_size, timeout, env)
-    ctx = multiprocessing.get_context("spawn")
+    ctx, inherited = rank_context(env or {})
     addresses = [f"{_HOST}:{p}" for p in free_ports(world_size, _HOST)] if transport_env else []
     secret = secrets.token_hex(32)
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -223,7 +239,8 @@ def _run(
             proc = ctx.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, tuple(args),
-                      _rank_env(rank, world_size, addresses, secret, env, transport_env), send_end, os.getpid()),
+                      _rank_env(rank, world_size, addresses, secret, env, transport_env), send_end, os.getpid(),
+                      inherited),
                 name=f"rank{rank}",
             )
             with _live_lock:
