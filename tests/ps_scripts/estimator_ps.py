@@ -30,7 +30,8 @@ parser.add_argument("--keep", type=int, default=5, help="keep_checkpoint_max")
 parser.add_argument("--progress", action="store_true", help="log the Estimator's progress (as tf.estimator's INFO)")
 parser.add_argument("--async", dest="sync", action="store_false", help="ParameterServerStrategy(sync=False)")
 parser.add_argument("--fail-at", type=int, help="worker 1 fails after this step: --fail-how")
-parser.add_argument("--fail-how", choices=("kill", "raise"), default="raise", help="SIGKILL itself or raise")
+parser.add_argument("--fail-how", choices=("kill", "raise", "both"), default="raise",
+                    help="SIGKILL itself or raise; both: worker 1 is killed and worker 2 raises")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step of the chief lasts more")
 parser.add_argument("--train-and-evaluate", action="store_true", help="train_and_evaluate (with an evaluator task)")
 parser.add_argument("--out", required=True)
@@ -99,11 +100,12 @@ rank = 0 if args.reference or estimator.strategy.role != "worker" else estimator
 def hook(step, loss):
     if rank == 0 and args.step_sleep:
         time.sleep(args.step_sleep)
-    if rank == 1 and step == args.fail_at:
-        print(f"FAILING rank 1 at step {step} ({args.fail_how})", flush=True)
-        if args.fail_how == "kill":
+    failing = {"kill": {1: "kill"}, "raise": {1: "raise"}, "both": {1: "kill", 2: "raise"}}[args.fail_how]
+    if rank in failing and step == args.fail_at:
+        print(f"FAILING rank {rank} at step {step} ({failing[rank]})", flush=True)
+        if failing[rank] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"worker 1 fails on purpose after step {step}")
+        raise RuntimeError(f"worker {rank} fails on purpose after step {step}")
 
 
 if args.train_and_evaluate:  # an evaluator task evaluates each checkpoint (the others train)
