@@ -21,6 +21,7 @@ from script_jobs import ROOT, base_env, run_ps_by_hand  # noqa: E402
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "estimator_ps.py"
+PS_SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "serve_ps.py"  # a ps without TensorFlow
 STEPS = "6"
 
 
@@ -75,11 +76,12 @@ def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
 @pytest.mark.timeout(400)
 def test_a_resumed_job_restores_the_ps_shards_with_the_checkpoint(tmp_path: Path) -> None:
     """3 steps, then a new job on the same model_dir to step 6, equals 6 steps at once
-    (Adam: the ps's slots and step count come back with the chief's checkpoint)."""
+    (Adam: the ps's slots and step count come back with the chief's checkpoint). The ps
+    tasks serve without TensorFlow (the test above runs the script on them)."""
     model_dir = str(tmp_path / "m")
     for steps in ("3", "6"):
         args = ["--out", str(tmp_path), "--optimizer", "adam", "--steps", steps, "--model-dir", model_dir]
-        tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"))
+        tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"), ps_script=PS_SCRIPT)
         output = "\n".join(f"--- {name} ---\n{w.output}" for name, w in tasks.items())
         assert {name: w.returncode for name, w in tasks.items()} == dict.fromkeys(tasks, 0), output
         assert f"DONE rank 0: step {steps}" in tasks["chief"].output, output

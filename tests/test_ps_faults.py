@@ -48,7 +48,7 @@ def _job_in_background(args: list[str], job: Job, timeout: float, cluster: dict[
     def run() -> None:
         try:
             result["tasks"] = run_ps_by_hand(SCRIPT, args, timeout=timeout, job=job, cluster=cluster,
-                                             env=base_env(HOSTREDUCE_TIMEOUT_S=str(TIMEOUT_S)))
+                                             env=base_env(HOSTREDUCE_TIMEOUT_S=str(TIMEOUT_S)), ps_script=PS_SCRIPT)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             result["error"] = e
 

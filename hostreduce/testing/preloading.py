@@ -49,8 +49,8 @@ def preload(modules: Sequence[str] | None) -> list[str]:
         raise TypeError(f"`modules` must be a list of module names or None. Received: modules={modules!r}")
     with _lock:
         if _server_env is not None and names and names != _server_modules:
-            raise RuntimeError(f"the fork server already runs with modules {list(_server_modules)} preloaded; it cannot "
-                               f"change to {list(names)} (call preload once, before the first run)")
+            raise RuntimeError(f"the fork server already runs with modules {list(_server_modules)} preloaded; "
+                               f"it cannot change to {list(names)} (call preload once, before the first run)")
         before, _modules = list(_modules), names
     return before
 
