@@ -203,6 +203,39 @@ def run_mpirun(script: str | Path, args: Sequence[str] = (), np: int = 2, timeou
     return _run([(cmd, env)], timeout, job)[0]
 
 
+def run_reference(script: str | Path, args: Sequence[str] = (), timeout: float = 180.0
+                  ) -> subprocess.CompletedProcess:
+    """Run ``python script *args`` as one process outside any job (no ``TF_CONFIG``): a
+    test's one-process reference run. It runs in a rank of ``hostreduce.testing``, forked
+    from the server that imported TensorFlow once when the suite preloads it, so it does
+    not pay TensorFlow's import; the script runs as ``__main__`` with its own
+    ``sys.argv``, its output captured. Returns its exit status and output."""
+    from hostreduce.testing import run_ranks
+
+    code, out, err = run_ranks(_script_rank, 1, args=(str(script), list(args)), timeout=timeout,
+                               env={"TF_CONFIG": None, "HOSTREDUCE_SECRET": None}, transport_env=False)[0]
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], code, out, err)
+
+
+def _script_rank(rank: int, size: int, script: str, args: list[str]) -> tuple[int, str, str]:
+    import contextlib
+    import io
+    import runpy
+    import traceback
+
+    sys.argv = [script, *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 - reported as the script's own failure
+            traceback.print_exc()
+            code = 1
+    return code, out.getvalue(), err.getvalue()
+
+
 def ps_cluster(ps: int, workers: int, evaluator: bool = False) -> dict[str, list[str]]:
     """A ``TF_CONFIG`` cluster of ``ps`` parameter servers, a chief and ``workers - 1``
     workers (and an evaluator) on free loopback ports."""

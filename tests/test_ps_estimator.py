@@ -7,7 +7,6 @@ process ends with status 0."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ps_helpers import max_rel  # noqa: E402
-from script_jobs import ROOT, base_env, run_ps_by_hand  # noqa: E402
+from script_jobs import base_env, run_ps_by_hand, run_reference  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -33,9 +32,8 @@ def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
     tasks = run_ps_by_hand(SCRIPT, args, timeout=200, env=base_env(HOSTREDUCE_TIMEOUT_S="30"), evaluator=True)
     output = "\n".join(f"--- {name} ---\n{w.output}" for name, w in tasks.items())
     assert {name: w.returncode for name, w in tasks.items()} == dict.fromkeys(tasks, 0), output
-    reference = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(tmp_path),
-                                "--optimizer", optimizer, "--steps", STEPS, "--evaluate"], env=base_env(),
-                               cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    reference = run_reference(SCRIPT, ["--reference", "--out", str(tmp_path), "--optimizer", optimizer,
+                                       "--steps", STEPS, "--evaluate"], timeout=120)
     assert reference.returncode == 0, reference.stderr[-3000:]
     # evaluation after training reads the ps's table (the workers hold only rows of it)
     want = re.search(r"EVAL rank 0: loss (\S+) mse (\S+)", reference.stdout)
@@ -64,9 +62,8 @@ def test_sync_ps_training_equals_global_batch_training(tmp_path: Path) -> None:
     # one process without ps restoring that checkpoint finds the table in the ps shards
     restored = tmp_path / "restored"
     restored.mkdir()
-    again = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(restored), "--steps", STEPS,
-                            "--model-dir", str(tmp_path / "m")], env=base_env(), cwd=str(ROOT),
-                           capture_output=True, text=True, timeout=120)
+    again = run_reference(SCRIPT, ["--reference", "--out", str(restored), "--steps", STEPS,
+                                   "--model-dir", str(tmp_path / "m")], timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     got, want = np.load(restored / "ref.npz"), np.load(tmp_path / "0.npz")
     for name in want.files:
@@ -87,9 +84,8 @@ def test_a_resumed_job_restores_the_ps_shards_with_the_checkpoint(tmp_path: Path
         assert f"DONE rank 0: step {steps}" in tasks["chief"].output, output
         for name in ("chief", "worker1"):  # the embedding's rows of each batch, not the whole table
             assert "('PullRows', " in tasks[name].output, output
-    reference = subprocess.run([sys.executable, str(SCRIPT), "--reference", "--out", str(tmp_path),
-                                "--optimizer", "adam", "--steps", "6"], env=base_env(), cwd=str(ROOT),
-                               capture_output=True, text=True, timeout=120)
+    reference = run_reference(SCRIPT, ["--reference", "--out", str(tmp_path), "--optimizer", "adam", "--steps", "6"],
+                              timeout=120)
     assert reference.returncode == 0, reference.stderr[-3000:]
     ref = np.load(tmp_path / "ref.npz")
     for rank in (0, 1):

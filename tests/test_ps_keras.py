@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import base_env, run_by_hand, run_ps_by_hand  # noqa: E402
+from script_jobs import base_env, run_ps_by_hand, run_reference  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,8 +31,8 @@ def _output(tasks: dict) -> str:
 @pytest.mark.parametrize("optimizer, scope", [("sgd", False), ("adam", True)])
 def test_sync_fit_equals_one_process_on_the_global_batch(tmp_path: Path, optimizer: str, scope: bool) -> None:
     args = ["--optimizer", optimizer, "--out", str(tmp_path)]
-    ref = run_by_hand(SCRIPT, [*args, "--reference"], np=1, timeout=200)[0]
-    assert ref.returncode == 0, ref.output
+    ref = run_reference(SCRIPT, [*args, "--reference"], timeout=200)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     tasks = run_ps_by_hand(SCRIPT, args + ["--scope"] * scope, timeout=240, env=base_env(HOSTREDUCE_TIMEOUT_S="60"),
                            ps_script=PS_SCRIPT)
     output = _output(tasks)
