@@ -165,7 +165,7 @@ class _GrpcFloorBackend:
         import grpc
         import numpy as np
         from hostreduce.config import Config
-        from hostreduce.reducers.ring._malloc import tune_malloc
+        from hostreduce.transport.malloc import tune_malloc
 
         self._np = np
         self._ring = _RingBackend("grpc")

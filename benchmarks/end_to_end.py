@@ -539,7 +539,7 @@ def _job(impl: str, n: int, cluster: NC.NetCluster | None, plan_path: Path, work
     if impl == "keras-horovod":
         common["TF_USE_LEGACY_KERAS"] = "1"  # Horovod's Keras bindings need tf_keras
     if impl in MPIRUN_OF:
-        from hostreduce.reducers._mpi_select import mpirun_command
+        from hostreduce.reducers.mpi.select import mpirun_command
 
         exports = [a for k in common for a in ("-x", k)]
         argv = mpirun_command(MPIRUN_OF[impl], n, _worker_argv(impl, plan_path, workdir, None), extra=exports)
@@ -834,7 +834,7 @@ def _horovod_available() -> tuple[bool, str]:
     if importlib.util.find_spec("horovod") is None:
         return False, "horovod is not installed"
     try:
-        from hostreduce.reducers._mpi_select import mpirun_for
+        from hostreduce.reducers.mpi.select import mpirun_for
 
         mpirun_for("horovod")
     except Exception as exc:

@@ -328,21 +328,21 @@ class ParameterServerStrategy(Strategy):
         or ``apply_gradients``, with the variables and its slots on the ps: each step
         pushes the gradients and pulls the variables back (``hostreduce/ps/keras.py``).
         On a ``ps`` task this call serves until the chief ends the job, then exits 0."""
-        from .ps.keras import keras_optimizer
+        from .ps_training.keras import keras_optimizer
 
         return keras_optimizer(self, optimizer)
 
     def scope(self) -> Any:
         """Build the Keras model in this block: each table the ps split by rows (at least
         ``shard_bytes``) is then never whole on a worker, only the rows its steps look up."""
-        from .ps.keras import variable_scope
+        from .ps_training.keras import variable_scope
 
         return variable_scope(self)
 
     def keras_variables(self) -> dict[str, Any]:
         """The Keras model's trainable variables as the ps hold them, by path (tables
         whole: a full copy each)."""
-        from .ps.keras import pull_variables
+        from .ps_training.keras import pull_variables
 
         return pull_variables(self)
 

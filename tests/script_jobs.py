@@ -195,7 +195,7 @@ def run_launcher(script: str | Path, args: Sequence[str] = (), np: int = 2, time
 def run_mpirun(script: str | Path, args: Sequence[str] = (), np: int = 2, timeout: float = 180.0,
                env: dict[str, str] | None = None, reducer: str = "mpi", job: Job | None = None) -> Worker:
     """``mpirun -np NP python script args`` with the mpirun that ``reducer`` needs."""
-    from hostreduce.reducers._mpi_select import mpirun_command
+    from hostreduce.reducers.mpi.select import mpirun_command
 
     env = dict(env or base_env(), HOSTREDUCE_REDUCER=reducer)
     env.pop("MPI4PY_LIBMPI", None)

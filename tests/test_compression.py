@@ -301,7 +301,7 @@ def test_horovod_compression_api() -> None:
     import tensorflow as tf
 
     from hostreduce.horovod import Compression
-    from hostreduce.horovod._compression import engine_wire
+    from hostreduce.ops.compression import engine_wire
 
     x = tf.constant([1.0, 1.0 + 2.0 ** -9, 3.0], tf.float32)
     for comp, dt in ((Compression.fp16, tf.float16), (Compression.bf16, tf.bfloat16)):

@@ -33,7 +33,7 @@ def horovod_missing() -> str | None:
         lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
         return f"horovod not importable: {lines[-1] if lines else 'exit ' + str(probe.returncode)}; {HINT}"
     try:
-        from hostreduce.reducers._mpi_select import mpirun_for
+        from hostreduce.reducers.mpi.select import mpirun_for
 
         mpirun_for("horovod")
     except Exception as exc:  # noqa: BLE001
@@ -65,7 +65,7 @@ def test_horovod_collectives_at_4_ranks(horovod_ready: None) -> None:
 
 
 def test_horovod_mpirun_is_not_the_wheel(horovod_ready: None) -> None:
-    from hostreduce.reducers._mpi_select import horovod_libmpi, mpirun_for
+    from hostreduce.reducers.mpi.select import horovod_libmpi, mpirun_for
 
     lib = horovod_libmpi()
     assert lib is not None and lib.name.startswith("libmpi.so")

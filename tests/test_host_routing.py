@@ -1,10 +1,10 @@
-"""Per-thread routing of methods and module functions (hostreduce.host._patch)."""
+"""Per-thread routing of methods and module functions (hostreduce.host.patch)."""
 from __future__ import annotations
 
 import threading
 import types
 
-from hostreduce.host._patch import routed
+from hostreduce.host.patch import routed
 
 
 class Base:

@@ -249,7 +249,7 @@ def test_clear_errors_for_unsupported_arguments(one_worker: None) -> None:
     # variables_on_host with a model whose variables are not in host memory is refused
     # at the first step; on a CPU-only machine every variable already is, so only the
     # check's own verdict is tested here.
-    from hostreduce.horovod._optimizer import _check_host_variables
+    from hostreduce.ops.optimizer import _check_host_variables
 
     class Remote:
         path = "dense/kernel"

@@ -36,7 +36,7 @@ def test_mpi_collectives_at_4_ranks() -> None:
 
 def test_mpirun_selection() -> None:
     from hostreduce.errors import ConfigError
-    from hostreduce.reducers._mpi_select import loaded_libmpi, mpirun_command, mpirun_for
+    from hostreduce.reducers.mpi.select import loaded_libmpi, mpirun_command, mpirun_for
 
     if _SKIP is None:
         assert Path(mpirun_for("mpi")).exists()

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.tf
 
 tf = pytest.importorskip("tensorflow")
 
-from hostreduce.estimator.direct_ids import feature_sources, read_ids  # noqa: E402
+from hostreduce.ps_training.direct_ids import feature_sources, read_ids  # noqa: E402
 
 SIG = [{"ids": tf.TensorSpec([None, 8], tf.int64), "small": tf.TensorSpec([None, 2], tf.int32),
         "x": tf.TensorSpec([None, 3], tf.float32)}, tf.TensorSpec([None, 1], tf.float32)]

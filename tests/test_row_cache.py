@@ -66,7 +66,7 @@ def _traced(api: str, store):
 def test_lookups_read_the_cached_rows_at_global_ids(api: str) -> None:
     import tensorflow as tf
 
-    from hostreduce.host.rowcache import is_row_cache
+    from hostreduce.ps_training.rowcache import is_row_cache
     from hostreduce.host.variables import VariableStore
 
     store = VariableStore()

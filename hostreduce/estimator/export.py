@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import ConfigError
-from ..host.rowcache import is_row_cache
+from ..ps_training.rowcache import is_row_cache
 
 __all__ = ["features_spec", "write_saved_model"]
 

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError
-from ..host.capture import capture_updates, host_optimizer_config
+from ..ps_training.capture import capture_updates, host_optimizer_config
 from ..host.gradients import recording, sparse_gradients
-from .direct_ids import feature_sources, read_ids
+from ..ps_training.direct_ids import feature_sources, read_ids
 from .mode_keys import ModeKeys
 from .programs import _as_output, _ProgramBase
 from .progress import logger, progress

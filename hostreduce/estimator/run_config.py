@@ -256,7 +256,7 @@ def set_random_seed(seed: int) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from ..host._keras import loaded_kerases
+    from ..host.kerases import loaded_kerases
 
     # Load the Keras behind tf.keras (tf_keras under TF_USE_LEGACY_KERAS=1) and Keras 3
     # now: importing one later would draw from the generators seeded here.

@@ -15,13 +15,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._compression import Compression
-from ._engine import (NotInitializedError, cross_rank, cross_size, init, is_initialized, local_rank, local_size,
+from ..ops.compression import Compression
+from ..ops.job import (NotInitializedError, cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                       rank, shutdown, size)
-from ._collectives import alltoall, grouped_reducescatter, reducescatter
-from ._ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allreduce, broadcast,
+from ..ops.collectives import alltoall, grouped_reducescatter, reducescatter
+from ..ops.tensors import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allreduce, broadcast,
                    broadcast_variables, grouped_allreduce)
-from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..ops.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 # Names that need TensorFlow at import: loaded on first use.
-_LAZY = {"DistributedGradientTape": "._tape"}
+_LAZY = {"DistributedGradientTape": "..ops.tape"}
 
 
 def __getattr__(name: str) -> Any:

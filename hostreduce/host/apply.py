@@ -22,8 +22,8 @@ import contextlib
 import threading
 from typing import Any, Iterable, Iterator
 
-from ._keras import keras_of, loaded_kerases, underlying_variable
-from ._patch import routed
+from .kerases import keras_of, loaded_kerases, underlying_variable
+from .patch import routed
 
 __all__ = ["apply_gradients", "fused_apply_supported", "fused_optimizer_scope"]
 

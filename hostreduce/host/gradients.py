@@ -11,7 +11,7 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import SpecError
-from ._keras import underlying_variable
+from .kerases import underlying_variable
 
 __all__ = ["compute_gradients", "gradients_or_none", "gradient_labels", "recorded_variables", "recording",
            "sparse_gradients"]

@@ -29,8 +29,8 @@ import threading
 from typing import Any, Iterator
 
 from ..errors import SpecError
-from ._keras import underlying_variable
-from ._patch import routed
+from .kerases import underlying_variable
+from .patch import routed
 from .gradients import gradients_or_none, recorded_variables
 
 __all__ = ["tf1_optimizer_scope", "MODEL_FN", "HOST_CALL"]

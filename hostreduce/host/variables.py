@@ -9,7 +9,7 @@ identified by its name scope with Keras/TensorFlow uniquifying suffixes removed
 before it in the same call.
 
 With parameter servers (:meth:`VariableStore.shard_tables`) a table the ps will shard by
-rows is created as a :class:`~hostreduce.host.rowcache.RowCache` instead: the worker
+rows is created as a :class:`~hostreduce.ps_training.rowcache.RowCache` instead: the worker
 holds the rows of its batch only, and the table's initial value stays uncomputed until
 the chief registers it on the ps.
 """
@@ -60,7 +60,7 @@ class VariableStore:
 
     def row_caches(self) -> dict[str, Any]:
         """The row caches by key (tables the ps hold; this process has only some rows)."""
-        from .rowcache import is_row_cache
+        from ..ps_training.rowcache import is_row_cache
 
         return {k: v for k, v in self.items() if is_row_cache(v)}
 
@@ -115,7 +115,7 @@ class VariableStore:
         self._counts = {}
         with contextlib.ExitStack() as stack:
             if self._shard is not None:
-                from .rowcache import deferred_keras_init
+                from ..ps_training.rowcache import deferred_keras_init
 
                 stack.enter_context(deferred_keras_init())
             stack.enter_context(tf.variable_creator_scope(self._creator))
@@ -162,7 +162,7 @@ class VariableStore:
         import tensorflow as tf
 
         from ..ps.placement import is_sharded
-        from .rowcache import row_cache
+        from ..ps_training.rowcache import row_cache
 
         # Only trained variables are on the ps; a frozen table stays whole on the worker.
         if (self._shard is None or kwargs.get("trainable") is False
@@ -184,7 +184,7 @@ class VariableStore:
 def _requested_shape(kwargs: dict[str, Any]) -> Any:
     import tensorflow as tf
 
-    from .rowcache import Deferred
+    from ..ps_training.rowcache import Deferred
 
     shape = kwargs.get("shape")
     if shape is None:

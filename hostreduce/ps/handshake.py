@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from ..errors import AuthenticationError, ClusterError
-from ..reducers.ring import admission, auth
+from ..transport import admission, auth
 
 __all__ = ["Gate", "login", "SESSION_KEY"]
 

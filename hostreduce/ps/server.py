@@ -82,7 +82,7 @@ class ParameterServer:
         import grpc
 
         if self.tune_malloc:  # each step's message buffers: reused, not page-faulted in afresh
-            from ..reducers.ring._malloc import tune_malloc
+            from ..transport.malloc import tune_malloc
 
             tune_malloc()
         addr = self.addresses[self.index]

@@ -14,7 +14,7 @@ against checked arguments only: the checks of ``name``, dtype, ``op``, ``out=``,
 0-d all-gather input taken as one row, wire compression (``compression.py``), and the
 meaning of ``mean`` (integers: floor division). float16 and bfloat16 are reduced in 16
 bits where they travel, each step in float32 rounded back to 16 bits (see
-``is_low_precision``). A job always ends: see ``_job_end.py`` for how live reducers are
+``is_low_precision``). A job always ends: see ``job_end.py`` for how live reducers are
 closed at exit.
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ReducerClosedError
-from . import _job_end
+from . import job_end
 from ._args import (SUPPORTED_DTYPES, ReduceOp, apply_mean, check_array, check_counts, check_out, even_counts,
                     is_low_precision)
-from ._job_end import _close_live_at_exit  # noqa: F401 - the exit hook, reached through this module
+
 from .compression import compressed, parse_compression, wire_dtype
 from .groups import Group, make_group
 from .handle import Handle
@@ -333,7 +333,7 @@ class Reducer(abc.ABC):
         """Release sockets, threads and buffers. Safe to call more than once."""
         if not self._closed:
             self._closed = True
-            _job_end.untrack(self)
+            job_end.untrack(self)
             self._close()
 
     def _abort(self, reason: str) -> None:
@@ -345,7 +345,7 @@ class Reducer(abc.ABC):
         """
         if not self._closed:
             self._closed = True
-            _job_end.untrack(self)
+            job_end.untrack(self)
             self._close_failed(reason)
 
     def _close_failed(self, reason: str) -> None:
@@ -355,13 +355,13 @@ class Reducer(abc.ABC):
         """Call at the end of a successful ``__init__``: until ``close()``, the reducer is
         closed at interpreter exit (with an abort if the exit is due to an unhandled
         exception), before the interpreter joins any thread that might wait on a peer."""
-        _job_end.track(self)
+        job_end.track(self)
 
     @staticmethod
     def _peer_failed(error: BaseException) -> None:
         """Engines call this when a peer failed (not when it left in an orderly way): the
         process then exits non-zero even if the script catches the error."""
-        _job_end.note_peer_failure(error)
+        job_end.note_peer_failure(error)
 
     @property
     def closed(self) -> bool:
@@ -390,4 +390,4 @@ class Reducer(abc.ABC):
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close()
         else:  # the block failed: peers learn why at once
-            self._abort(_job_end.describe_exception(exc))
+            self._abort(job_end.describe_exception(exc))

@@ -51,9 +51,9 @@ import numpy as np
 
 from ..errors import ConfigError, HostReduceError
 from ._args import even_counts
-from ._job_end import add_job_abort, exit_at_once
-from ._mpi_collectives import finish_mean
-from ._mpi_p2p import PointToPoint
+from .job_end import add_job_abort, exit_at_once
+from .mpi.collectives import finish_mean
+from .mpi.p2p import PointToPoint
 from ._serial import SerialWorker
 from .base import Group, Handle, ReduceOp, Reducer, register_reducer
 
@@ -75,7 +75,7 @@ def import_horovod() -> Any:
         HorovodUnavailableError: Horovod is missing or broken, with how to build it.
         ConfigError: mpi4py already loaded a different MPI library than Horovod's.
     """
-    from ._mpi_select import check_single_libmpi, horovod_libmpi, loaded_libmpi, pin_mpi4py_to
+    from .mpi.select import check_single_libmpi, horovod_libmpi, loaded_libmpi, pin_mpi4py_to
 
     if "horovod.tensorflow" not in sys.modules:
         try:
@@ -150,7 +150,7 @@ class HorovodReducer(Reducer):
         made here, where every rank passes. Horovod's background thread calls MPI while
         this reducer's worker does, which needs ``MPI_THREAD_MULTIPLE`` (Horovod asks for
         it unless ``HOROVOD_MPI_THREADS_DISABLE=1``). Else None and the reason."""
-        from ._mpi_select import loaded_libmpi
+        from .mpi.select import loaded_libmpi
 
         if not loaded_libmpi():
             return None, "send/recv without an MPI library (this Horovod runs without MPI)"
@@ -314,10 +314,10 @@ def _abort_horovod_job(reason: str) -> None:
     """At an exit with an unhandled exception: stop every rank (``MPI_Abort`` through
     Horovod's own MPI library; without MPI, exit at once so that the launcher sees the
     failure instead of a shutdown that waits for peers)."""
-    from ._mpi_select import loaded_libmpi
+    from .mpi.select import loaded_libmpi
 
     if loaded_libmpi():
-        from .mpi import _abort_mpi_job
+        from .mpi.reducer import _abort_mpi_job
 
         _abort_mpi_job(reason)
     exit_at_once(1)

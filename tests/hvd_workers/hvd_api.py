@@ -182,7 +182,7 @@ def streaming(rank: int, size: int, steps: int = 6) -> list[dict]:
     import tensorflow as tf
 
     import hostreduce.horovod as hvd
-    from hostreduce.horovod import _engine
+    from hostreduce.ops import job as _engine
 
     keras.utils.set_random_seed(7)
     model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(512, activation="relu", name="first"),

@@ -30,7 +30,7 @@ from hostreduce.config import Config  # noqa: E402
 
 def make(reducer: str):
     if reducer == "mpi":
-        from hostreduce.reducers.mpi import MPIReducer
+        from hostreduce.reducers.mpi.reducer import MPIReducer
 
         return MPIReducer(config=Config(reducer="mpi", timeout_s=float(os.environ.get("HOSTREDUCE_TIMEOUT_S", 30))))
     from hostreduce.reducers import create_reducer

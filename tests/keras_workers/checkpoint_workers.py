@@ -70,8 +70,8 @@ def _compiled(on_host: bool, seed: int) -> Any:
 
 def _state(model: Any, optimizer: Any = None) -> dict:
     """The model's weights and every optimizer variable (values, devices), by position."""
-    from hostreduce.host._keras import underlying_variable
-    from hostreduce.horovod._optimizer import is_wrapped, optimizer_variables
+    from hostreduce.host.kerases import underlying_variable
+    from hostreduce.ops.optimizer import is_wrapped, optimizer_variables
 
     optimizer = model.optimizer if optimizer is None else optimizer
     variables = optimizer_variables(optimizer)

@@ -220,7 +220,7 @@ def streaming(rank: int, size: int, steps: int = 6) -> list[dict]:
     import keras
 
     import hostreduce.horovod.keras as hvd
-    from hostreduce.horovod import _engine
+    from hostreduce.ops import job as _engine
 
     keras.utils.set_random_seed(7)
     model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(512, activation="relu", name="first"),
@@ -263,7 +263,7 @@ def main(out_dir: str) -> None:
         for i, w in enumerate(tape(rank, size, optimizer)):
             arrays[f"tape_{optimizer}_{i}"] = w
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
-    from hostreduce.horovod import _engine
+    from hostreduce.ops import job as _engine
 
     print(f"RESULT rank {rank}/{size}: engine={_engine.job().strategy.reducer_name} ok", flush=True)
     hvd.shutdown()

@@ -18,7 +18,7 @@ import tf_common as common  # noqa: E402
 
 def main() -> None:
     from hostreduce.config import Config
-    from hostreduce.reducers.mpi import MPIReducer
+    from hostreduce.reducers.mpi.reducer import MPIReducer
     from hostreduce.strategies import HorovodStrategy
     from hostreduce.streaming import default_bucket_hook, register_bucket_hook
 

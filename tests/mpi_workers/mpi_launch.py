@@ -23,7 +23,7 @@ def run_mpi(reducer_name: str, np: int, script: str, *args: str, timeout: float 
     Returns ``(exit status, combined output)``; raises ``TimeoutError`` (after killing the
     process group) when the job runs past ``timeout`` seconds.
     """
-    from hostreduce.reducers._mpi_select import mpirun_command
+    from hostreduce.reducers.mpi.select import mpirun_command
 
     cmd = mpirun_command(reducer_name, np, [sys.executable, str(WORKERS / script), *args])
     full_env = dict(os.environ if env is None else env)
@@ -52,7 +52,7 @@ def mpi_skip_reason() -> str | None:
     try:
         import mpi4py  # noqa: F401
 
-        from hostreduce.reducers._mpi_select import mpirun_for
+        from hostreduce.reducers.mpi.select import mpirun_for
 
         mpirun_for("mpi")
     except Exception as exc:  # noqa: BLE001 - any failure means: skip, and say why

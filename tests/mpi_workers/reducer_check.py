@@ -33,7 +33,7 @@ RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-6, "float64": 1e-6}
 def make(reducer_name: str, **config: object) -> Reducer:
     cfg = Config(reducer=reducer_name, **config)  # explicit: ignore HOSTREDUCE_* in the environment
     if reducer_name == "mpi":
-        from hostreduce.reducers.mpi import MPIReducer
+        from hostreduce.reducers.mpi.reducer import MPIReducer
 
         return MPIReducer(config=cfg)
     from hostreduce.reducers.horovod import HorovodReducer
@@ -164,8 +164,8 @@ def main() -> None:
 
 def check_shared_libmpi(rank: int, size: int) -> None:
     """mpi4py imported next to Horovod shares Horovod's MPI library instead of loading another."""
-    from hostreduce.reducers._mpi_select import horovod_libmpi, loaded_libmpi
-    from hostreduce.reducers.mpi import MPIReducer
+    from hostreduce.reducers.mpi.select import horovod_libmpi, loaded_libmpi
+    from hostreduce.reducers.mpi.reducer import MPIReducer
 
     m = MPIReducer(config=Config(reducer="mpi", timeout_s=60.0))
     assert loaded_libmpi() == [str(horovod_libmpi())], loaded_libmpi()

@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ConfigError
-from .. import _engine
-from .._compression import Compression
-from .._engine import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
+from ...ops import job as _engine
+from ...ops.compression import Compression
+from ...ops.job import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
                        size)
-from .._ops import (Average, Max, Min, Sum, _check_compression, _check_process_set, broadcast_variables,
+from ...ops.tensors import (Average, Max, Min, Sum, _check_compression, _check_process_set, broadcast_variables,
                     global_process_set, resolve_op)
-from .._optimizer import HOST, WrapperConfig, wrap_loaded_optimizer, wrap_optimizer
+from ...ops.optimizer import HOST, WrapperConfig, wrap_loaded_optimizer, wrap_optimizer
 from . import callbacks
 
 __all__ = [

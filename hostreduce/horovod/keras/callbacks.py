@@ -12,8 +12,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import ConfigError
-from .. import _engine
-from .._ops import Min, allreduce, broadcast_variables, grouped_allreduce
+from ...ops import job as _engine
+from ...ops.tensors import Min, allreduce, broadcast_variables, grouped_allreduce
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback"]

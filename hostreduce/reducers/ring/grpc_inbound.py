@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ...errors import PeerLostError
-from . import admission, auth
+from ...transport import admission, auth
 from .messages import PeerFailure, decode
 
 __all__ = ["Inbound", "frame", "DATA", "CTL", "ABORT", "BYE", "FAILED", "SERVICE"]

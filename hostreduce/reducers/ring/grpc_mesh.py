@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ...errors import AuthenticationError, ClusterError, PeerLostError
-from . import admission, auth
+from ...transport import admission, auth
 from .grpc_inbound import ABORT, BYE, CTL, DATA, FAILED, SERVICE, Inbound, frame
 from .messages import PeerFailure, encode
 

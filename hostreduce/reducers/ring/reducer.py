@@ -93,7 +93,7 @@ class RingReducer(Reducer):
         self._lane: FastLane | None = None   # one host only
         self._watchdog: Watchdog | None = None
         if size > 1 and cfg.tune_malloc:
-            from ._malloc import tune_malloc
+            from ...transport.malloc import tune_malloc
 
             tune_malloc()
         try:

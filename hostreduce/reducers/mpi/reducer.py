@@ -25,7 +25,7 @@ compression halves the bytes sent; results are bitwise identical on every rank.
 ``mean`` divides the sum by the group's size (integers: floor division). Arrays passed
 in must not be modified until their handle completes.
 
-Start the job with :func:`hostreduce.reducers._mpi_select.mpirun_for` ``("mpi")``. In a
+Start the job with :func:`hostreduce.reducers.mpi.select.mpirun_for` ``("mpi")``. In a
 process that already holds an MPI library (Horovod's), mpi4py is pointed at that library.
 
 A rank that exits with an unhandled exception calls ``MPI_Abort`` after its traceback
@@ -42,16 +42,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ConfigError, HostReduceError, TensorMismatchError
-from ._job_end import add_job_abort, flush_std_streams
-from ._mpi_collectives import Collectives
-from ._mpi_p2p import PointToPoint
-from ._serial import Deadline, SerialWorker
-from .base import Group, Handle, ReduceOp, Reducer, register_reducer
+from ...errors import ConfigError, HostReduceError, TensorMismatchError
+from ..job_end import add_job_abort, flush_std_streams
+from .collectives import Collectives
+from .p2p import PointToPoint
+from .._serial import Deadline, SerialWorker
+from ..base import Group, Handle, ReduceOp, Reducer, register_reducer
 
 __all__ = ["MPIReducer"]
 
-_log = logging.getLogger("hostreduce.reducers.mpi")
+_log = logging.getLogger("hostreduce.reducers.mpi.reducer")
 
 # Polling: spin (yielding the GIL) for this long, then sleep in growing steps up to the cap.
 _SPIN_S = 0.05
@@ -83,11 +83,11 @@ class MPIReducer(Reducer):
     """
 
     def __init__(self, cluster: Any = None, config: Any = None, comm: Any = None) -> None:
-        from ..config import Config
+        from ...config import Config
 
         self._config = Config.from_env() if config is None else config
         super().__init__(compression=self._config.compression)
-        from ._mpi_select import check_single_libmpi, loaded_libmpi, pin_mpi4py_to
+        from .select import check_single_libmpi, loaded_libmpi, pin_mpi4py_to
 
         if "mpi4py.MPI" not in sys.modules:
             loaded = loaded_libmpi()

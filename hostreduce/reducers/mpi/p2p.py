@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TensorMismatchError
-from ._serial import Later
+from ...errors import TensorMismatchError
+from .._serial import Later
 
 __all__ = ["PointToPoint"]
 

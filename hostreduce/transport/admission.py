@@ -17,7 +17,7 @@ import re
 import threading
 from typing import Any, Callable
 
-from ...errors import AuthenticationError, ClusterError
+from ..errors import AuthenticationError, ClusterError
 from . import auth
 
 __all__ = ["short", "hello_request", "parse_hello", "hello_reply", "read_reply", "check_proof", "Refusals"]

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, HostReduceError
 from ..streaming import Collective, exchange
-from . import _engine
-from ._compression import Compression, engine_wire
-from ._process_sets import ProcessSet, global_process_set, group_of
+from . import job as _engine
+from .compression import Compression, engine_wire
+from .process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
            "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors",
@@ -217,7 +217,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
     rop = resolve_op(op, average)
     full_name = _engine.collective_name(_kind("allreduce", process_set), name)
     if _on_set(process_set):
-        from ._collectives import group_allreduce
+        from .collectives import group_allreduce
 
         scaled = _scale(tf_tensor(tensor), prescale_factor, "prescale_factor")
         wire, ctx = compression.compress(scaled)
@@ -260,7 +260,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     channel = _engine.channel()
     full_name = _engine.collective_name(_kind("allgather", process_set), name)
     if _on_set(process_set):
-        from ._collectives import group_allgather
+        from .collectives import group_allgather
 
         return group_allgather(tensor, full_name, process_set)
     return exchange(channel, [tensor], [Collective("allgather", full_name)], chained=True)[0]
@@ -287,7 +287,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     root = _check_root(root_rank, process_set)
     full_name = _engine.collective_name(_kind("broadcast", process_set), name)
     if on_set:
-        from ._collectives import group_broadcast
+        from .collectives import group_broadcast
 
         return group_broadcast(tensor, root, full_name, process_set)
     return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
@@ -313,7 +313,7 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
 
     base = _engine.collective_name(_kind("broadcast_variables", process_set), None)
     if on_set:
-        from ._collectives import group_broadcast
+        from .collectives import group_broadcast
 
         values = [group_broadcast(v, root, f"{base}/{i}", process_set) for i, v in enumerate(variables)]
         assigns = [v.assign(value) for v, value in zip(variables, values)]

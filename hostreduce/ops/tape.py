@@ -14,9 +14,9 @@ from typing import Any
 import tensorflow as tf
 
 from ..errors import ConfigError
-from . import _engine
-from ._compression import Compression
-from ._ops import Average, _check_compression, _check_process_set, global_process_set, reduce_gradients, resolve_op
+from . import job as _engine
+from .compression import Compression
+from .tensors import Average, _check_compression, _check_process_set, global_process_set, reduce_gradients, resolve_op
 
 __all__ = ["DistributedGradientTape"]
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, SpecError
-from ..host.rowcache import is_row_cache
+from .rowcache import is_row_cache
 
 __all__ = ["keras_optimizer", "variable_scope", "pull_variables"]
 
@@ -117,7 +117,7 @@ class _PSUpdate:
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         import tensorflow as tf
 
-        from ..horovod._optimizer import _check_not_xla
+        from ..ops.optimizer import _check_not_xla
 
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
@@ -177,8 +177,8 @@ def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
     """``optimizer`` (a Keras 3 SGD, Adam or Adagrad, constant learning rate, not used
     yet) with its variables and slots on ``strategy``'s parameter servers; on a ``ps``
     task this serves until the chief ends the job, then exits 0."""
-    from ..host._keras import keras_of, optimizer_subclass
-    from ..host.capture import host_optimizer_config
+    from ..host.kerases import keras_of, optimizer_subclass
+    from .capture import host_optimizer_config
 
     role = strategy.role
     if role == "ps":
@@ -223,8 +223,8 @@ def variable_scope(strategy: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _take_rows() -> Iterator[None]:
-    from ..host._patch import routed
-    from ..host.rowcache import keras_take
+    from ..host.patch import routed
+    from .rowcache import keras_take
 
     try:
         from keras.src.backend.tensorflow import numpy as knp

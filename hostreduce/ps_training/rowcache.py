@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..errors import SpecError
-from ._patch import routed
+from ..host.patch import routed
 
 __all__ = ["Deferred", "row_cache", "row_cache_type", "is_row_cache", "keras_take", "deferred_keras_init"]
 

@@ -13,7 +13,7 @@ import threading
 from typing import Any, Sequence
 
 from ..errors import ConfigError, HostReduceError
-from . import _engine
+from . import job as _engine
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of",
            "register_initial"]

@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import TensorMismatchError
-from ._args import ReduceOp, apply_mean, is_low_precision
-from ._mpi_ops16 import op16, wire16
+from ...errors import TensorMismatchError
+from .._args import ReduceOp, apply_mean, is_low_precision
+from .ops16 import op16, wire16
 
 __all__ = ["Collectives"]
 

@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = [
     "mpirun_for",

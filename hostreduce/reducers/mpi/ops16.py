@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ._args import ReduceOp, is_low_precision
+from .._args import ReduceOp, is_low_precision
 
 __all__ = ["is_low_precision", "op16", "wire16"]
 

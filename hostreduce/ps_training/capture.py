@@ -14,8 +14,8 @@ import contextlib
 from typing import Any, Callable
 
 from ..errors import ConfigError, SpecError
-from ._keras import keras_of, loaded_kerases
-from ._patch import routed
+from ..host.kerases import keras_of, loaded_kerases
+from ..host.patch import routed
 
 __all__ = ["Updates", "capture_updates", "host_optimizer_config"]
 

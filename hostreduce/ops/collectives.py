@@ -13,16 +13,16 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..streaming.host_collective import host_collective
-from . import _engine
-from ._compression import Compression
-from ._process_sets import global_process_set, group_of
+from . import job as _engine
+from .compression import Compression
+from .process_sets import global_process_set, group_of
 
 __all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "group_allreduce", "group_allgather",
            "group_broadcast"]
 
 
 def _kind(kind: str, process_set: Any) -> str:
-    from ._ops import _kind as kind_of
+    from .tensors import _kind as kind_of
 
     return kind_of(kind, process_set)
 
@@ -39,7 +39,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     ``op``: Average (default), Sum, Min, Max or Product."""
     import tensorflow as tf
 
-    from ._ops import _check_compression, _scale, resolve_op
+    from .tensors import _check_compression, _scale, resolve_op
 
     channel = _engine.channel()
     group = group_of(process_set)

@@ -163,7 +163,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
                 _flush_registered = True
                 atexit.register(_flush_at_exit)
     if process_sets is not None:
-        from ._process_sets import register_initial
+        from .process_sets import register_initial
 
         channel()  # the engine, started on this thread
         register_initial(process_sets)
@@ -181,7 +181,7 @@ def shutdown() -> None:
     with _lock:
         job, _job = _job, None
     if job is not None:
-        from ._process_sets import forget_all
+        from .process_sets import forget_all
 
         forget_all()
         job.close()

@@ -6,7 +6,7 @@ The wrapped optimizer is an instance of a subclass of the user's optimizer class
 subclass per class, with the same name and module, so Keras saves it as the original
 class). Its update method (Keras 3 ``apply``, which ``apply_gradients`` and ``fit``'s
 train step call; tf_keras ``apply_gradients``) hands every gradient to the job's engine
-through :func:`hostreduce.horovod._ops.reduce_gradients`. Called inside the traced train
+through :func:`hostreduce.ops.tensors.reduce_gradients`. Called inside the traced train
 step, that puts a hand-off op per gradient into the step's graph, so each reduction
 starts as soon as the backward pass has produced its gradient.
 
@@ -28,9 +28,9 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..host._keras import keras_of, optimizer_subclass, underlying_variable
-from . import _engine
-from ._ops import ReduceOp, reduce_gradients
+from ..host.kerases import keras_of, optimizer_subclass, underlying_variable
+from . import job as _engine
+from .tensors import ReduceOp, reduce_gradients
 
 __all__ = ["WrapperConfig", "wrap_optimizer", "wrap_loaded_optimizer", "is_wrapped", "optimizer_variables"]
 
