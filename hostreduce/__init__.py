@@ -15,7 +15,7 @@ from .errors import (AuthenticationError, ClusterError, CollectiveTimeoutError, 
                      TensorMismatchError, UnmatchedCollectiveError)
 from .reducers import Handle, ReduceOp, Reducer, available_reducers, create_reducer, register_reducer
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # Training API: name -> module that defines it (imported lazily, it needs TensorFlow).
 _LAZY: dict[str, str] = {

@@ -16,6 +16,12 @@ __all__ = [
     "UnmatchedCollectiveError",
     "ReducerClosedError",
     "SpecError",
+    "CheckpointError",
+    "InputNotCheckpointable",
+    "NotInitializedError",
+    "HorovodUnavailableError",
+    "WireError",
+    "JobFailedError",
 ]
 
 
@@ -59,3 +65,28 @@ class ReducerClosedError(HostReduceError):
 
 class SpecError(HostReduceError, ValueError):
     """An ``EstimatorSpec`` or ``host_call`` is malformed."""
+
+
+class CheckpointError(HostReduceError):
+    """A checkpoint could not be read or written."""
+
+
+class InputNotCheckpointable(HostReduceError):
+    """The input pipeline's position cannot be saved (the reason is the message)."""
+
+
+class NotInitializedError(HostReduceError, ValueError):
+    """A ``hostreduce.horovod`` call that needs the job came before ``init()``."""
+
+
+class HorovodUnavailableError(ConfigError, ImportError):
+    """Horovod (with TensorFlow support) cannot be imported in this environment."""
+
+
+class WireError(HostReduceError, ValueError):
+    """A parameter-server message that does not decode (truncated, sizes that disagree,
+    unknown dtype)."""
+
+
+class JobFailedError(HostReduceError):
+    """The job a ps task served ended by a failure (the chief's, or the chief was lost)."""

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from hostreduce.launch.runner import free_ports
+from hostreduce.processes import free_ports
 from hostreduce.ps.client import PSClient
 from hostreduce.ps.rows import sum_duplicates
 from hostreduce.ps.server import ParameterServer

@@ -175,7 +175,7 @@ def run_by_hand(script: str | Path, args: Sequence[str] = (), np: int = 2, timeo
                 env: dict[str, str] | None = None, job: Job | None = None) -> list[Worker]:
     """Start ``np`` workers as separate ``python script`` processes, each with its own
     ``TF_CONFIG`` and a shared ``HOSTREDUCE_SECRET``, as a user does in ``np`` terminals."""
-    from hostreduce.launch.runner import free_ports, tf_config
+    from hostreduce.processes import free_ports, tf_config
 
     addresses = [f"127.0.0.1:{p}" for p in free_ports(np)]
     secret = secrets.token_hex(16)
@@ -239,7 +239,7 @@ def _script_rank(rank: int, size: int, script: str, args: list[str]) -> tuple[in
 def ps_cluster(ps: int, workers: int, evaluator: bool = False) -> dict[str, list[str]]:
     """A ``TF_CONFIG`` cluster of ``ps`` parameter servers, a chief and ``workers - 1``
     workers (and an evaluator) on free loopback ports."""
-    from hostreduce.launch.runner import free_ports
+    from hostreduce.processes import free_ports
 
     ports = iter(free_ports(ps + workers + int(evaluator)))
     cluster = {"chief": [f"127.0.0.1:{next(ports)}"],

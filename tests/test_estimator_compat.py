@@ -180,7 +180,7 @@ def test_progress_reaches_tensorflow_logging(caplog: pytest.LogCaptureFixture) -
 def test_progress_still_reaches_tensorflow_logging_after_a_root_handler_appears() -> None:
     """``logging.info`` anywhere (TensorFlow's checkpoint code calls it) installs a root
     handler at WARNING; progress lines must still reach TensorFlow's INFO logger."""
-    from hostreduce.estimator.progress import progress
+    from hostreduce.progress import progress
 
     seen: list[str] = []
 

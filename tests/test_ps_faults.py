@@ -178,7 +178,7 @@ class _ChiefHere:
         import secrets
 
         import hostreduce
-        from hostreduce.launch.runner import free_ports
+        from hostreduce.processes import free_ports
 
         ports = free_ports(3)
         self.cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{p}" for p in ports[1:]]}

@@ -13,7 +13,7 @@ import pytest
 
 from hostreduce.cluster import resolve_cluster
 from hostreduce.errors import ClusterError, ConfigError
-from hostreduce.launch.runner import free_ports
+from hostreduce.processes import free_ports
 from hostreduce.ps import JobFailedError, server_from_env
 from hostreduce.ps.client import PSClient
 from ps_helpers import model_values
@@ -127,7 +127,7 @@ def test_serve_from_env_raises_when_the_job_failed(monkeypatch):
 
 
 def test_launcher_tasks_of_a_ps_job():
-    from hostreduce.launch._tasks import job_tasks
+    from hostreduce.processes import job_tasks
 
     tasks = job_tasks("127.0.0.1", 2, 2, evaluator=True)
     assert [label for label, _ in tasks] == ["0", "1", "ps0", "ps1", "evaluator"]

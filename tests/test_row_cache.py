@@ -68,11 +68,12 @@ def test_lookups_read_the_cached_rows_at_global_ids(api: str) -> None:
 
     from hostreduce.ps_training.rowcache import is_row_cache
     from hostreduce.host.variables import VariableStore
+    from hostreduce.ps_training.rowcache import row_caches, shard_tables
 
     store = VariableStore()
-    store.shard_tables(2, 4000)
+    shard_tables(store, 2, 4000)
     function, _ = _traced(api, store)
-    caches = store.row_caches()
+    caches = row_caches(store)
     assert list(caches) and all(is_row_cache(v) for v in caches.values()), store.items()
     assert [k for k, v in store.items() if k not in caches] == ["small"]  # small variables stay whole
     cache = next(iter(caches.values()))
@@ -99,9 +100,10 @@ def test_lookups_read_the_cached_rows_at_global_ids(api: str) -> None:
 @pytest.mark.parametrize("api", ["keras3", "tf_keras"])
 def test_the_initial_value_is_an_ordinary_variables_and_computed_on_demand(api: str) -> None:
     from hostreduce.host.variables import VariableStore
+    from hostreduce.ps_training.rowcache import row_caches, shard_tables
 
     sharded, whole = VariableStore(), VariableStore()
-    sharded.shard_tables(2, 4000)
+    shard_tables(sharded, 2, 4000)
     _, cache = _traced(api, sharded)
     _, variable = _traced(api, whole)
     cache = getattr(cache, "_value", cache)
@@ -113,15 +115,16 @@ def test_only_trained_variables_the_ps_would_split_become_row_caches() -> None:
     import tensorflow as tf
 
     from hostreduce.host.variables import VariableStore
+    from hostreduce.ps_training.rowcache import row_caches, shard_tables
 
     store = VariableStore()
-    store.shard_tables(2, 4000)
+    shard_tables(store, 2, 4000)
     with store.scope():
         tf.Variable(tf.zeros((ROWS, DIM)), name="table")
         tf.Variable(tf.zeros((ROWS, DIM)), trainable=False, name="frozen")   # not on the ps
         tf.Variable(tf.zeros((1, 2000)), name="wide")                        # fewer rows than ps
         tf.Variable(tf.zeros((ROWS, DIM), tf.int32), name="ids")             # not a float table
-    assert list(store.row_caches()) == ["table"]
+    assert list(row_caches(store)) == ["table"]
     assert [k for k, _ in store.items()] == ["table", "frozen", "wide", "ids"]
 
 
@@ -131,9 +134,10 @@ def test_a_model_reading_a_row_cache_is_not_exported(tmp_path) -> None:
     from hostreduce.errors import ConfigError
     from hostreduce.estimator.export import write_saved_model
     from hostreduce.host.variables import VariableStore
+    from hostreduce.ps_training.rowcache import row_caches, shard_tables
 
     store = VariableStore()
-    store.shard_tables(2, 4000)
+    shard_tables(store, 2, 4000)
     with store.scope():
         table = tf.Variable(tf.zeros((ROWS, DIM)), name="table")
     predict = tf.function(lambda ids: tf.gather(table, ids), autograph=False)
@@ -148,9 +152,10 @@ def test_keras_take_on_a_row_cache_reads_rows_only() -> None:
 
     from hostreduce.errors import SpecError
     from hostreduce.host.variables import VariableStore
+    from hostreduce.ps_training.rowcache import row_caches, shard_tables
 
     store = VariableStore()
-    store.shard_tables(2, 4000)
+    shard_tables(store, 2, 4000)
     with store.scope():
         emb = keras.layers.Embedding(ROWS, DIM, name="emb")
         emb.build()

@@ -14,7 +14,7 @@ import startup_workers as w
 from hostreduce.cluster.tf_config import parse_tf_config
 from hostreduce.config import Config
 from hostreduce.errors import ClusterError, ConfigError
-from hostreduce.launch.runner import free_ports, tf_config
+from hostreduce.processes import free_ports, tf_config
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
 
 

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .._files import fsync_path, replace_atomically, write_synced
-from ..errors import HostReduceError
+from ..errors import CheckpointError, HostReduceError
 
 __all__ = ["CheckpointManager", "CheckpointError", "GLOBAL_STEP"]
 
@@ -50,10 +50,6 @@ _META = "meta.json"
 _INDEX = "checkpoint"
 FORMAT_VERSION = 2
 GLOBAL_STEP = "hostreduce/global_step"
-
-
-class CheckpointError(HostReduceError):
-    """A checkpoint could not be read or written."""
 
 
 def _index_text(latest: str, kept: list[str]) -> bytes:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .checkpoint import CheckpointManager
 from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
-from .progress import logger, progress
+from ..progress import logger, progress
 
 __all__ = ["Checkpointing", "with_ps_tables"]
 

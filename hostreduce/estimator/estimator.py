@@ -17,7 +17,7 @@ from .checkpointing import Checkpointing
 from .export import features_spec, write_saved_model
 from .inputs import batch_size, call_input_fn, check_model_fn, check_steps, split_element, without_autotune_thread
 from .mode_keys import ModeKeys
-from .progress import progress
+from ..progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
 from .ps_program import PSTrainProgram
 from .roles import check_can_train
@@ -138,7 +138,7 @@ class Estimator:
                 self._excluded_keys.update(filter(None, (self._store.key_of(v) for v in metric.variables)))
         else:
             program = PredictProgram(*args)
-        self._excluded_keys.update(self._store.local_keys(), self._store.row_caches())  # the ps hold the tables
+        self._excluded_keys.update(self._store.local_keys(), self._store.made_by_factory())  # the ps hold the tables (row caches)
         program.feeder = self._ckpt.ps.feed if self._ckpt.ps is not None and mode != ModeKeys.TRAIN else None
         self._programs[mode] = (signature, program)
         self._sync_variables()

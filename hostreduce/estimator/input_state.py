@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import HostReduceError
+from ..errors import HostReduceError, InputNotCheckpointable
 
 __all__ = ["InputNotCheckpointable", "IteratorFiles", "save_iterator", "restore_iterator", "pack", "unpack",
            "gather", "broadcast"]
@@ -31,10 +31,6 @@ __all__ = ["InputNotCheckpointable", "IteratorFiles", "save_iterator", "restore_
 # wrote them for one prefix.
 IteratorFiles = Mapping[str, bytes]
 _PREFIX = "input"
-
-
-class InputNotCheckpointable(HostReduceError):
-    """The input pipeline's position cannot be saved (the reason is the message)."""
 
 
 def save_iterator(iterator: Any) -> dict[str, bytes]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..host.variables import _canonical
+from ..host.variables import canonical_name as _canonical
 
 __all__ = ["checkpoint_names", "restore_variables"]
 

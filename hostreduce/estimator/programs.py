@@ -84,7 +84,7 @@ class _Marker:
         return ones
 
 
-class _ProgramBase:
+class ProgramBase:
     mode: str = ""
 
     def __init__(self, model_fn: Callable[..., Any], params: Any, config: Any, store: VariableStore,
@@ -149,7 +149,7 @@ class _ProgramBase:
         return self._lookups
 
 
-class TrainProgram(_ProgramBase):
+class TrainProgram(ProgramBase):
     """Forward and backward on the device with streaming hand-off; then the host step.
 
     Args:
@@ -198,7 +198,7 @@ class TrainProgram(_ProgramBase):
             labels_by_id = gradient_labels()
         outputs["loss"] = tf.convert_to_tensor(spec.loss)
         if spec.train_op is not None:
-            outputs["train_op"] = _as_output(spec.train_op)
+            outputs["train_op"] = as_output(spec.train_op)
         if timed and not marked:  # gradients from the model_fn's own tape: mark the loss alone
             outputs["mark_forward"] = self._marker.attach("forward", [outputs["loss"]])
         if spec.host_call is None:
@@ -277,7 +277,7 @@ class TrainProgram(_ProgramBase):
         return float(outputs["loss"])
 
 
-class EvalProgram(_ProgramBase):
+class EvalProgram(ProgramBase):
     """Loss and metrics of one batch; Keras metric objects accumulate in their state."""
 
     mode = ModeKeys.EVAL
@@ -329,7 +329,7 @@ class EvalProgram(_ProgramBase):
         return features, labels
 
 
-class PredictProgram(_ProgramBase):
+class PredictProgram(ProgramBase):
     mode = ModeKeys.PREDICT
 
     def __init__(self, *args: Any) -> None:
@@ -342,7 +342,7 @@ class PredictProgram(_ProgramBase):
         return spec.predictions
 
 
-def _as_output(value: Any) -> Any:
+def as_output(value: Any) -> Any:
     """A tensor that ``tf.function`` can return and that runs ``value`` (an op or tensor)."""
     import tensorflow as tf
 

@@ -39,9 +39,10 @@ from ..errors import SpecError
 from ..ps_training.capture import capture_updates, host_optimizer_config
 from ..host.gradients import recording, sparse_gradients
 from ..ps_training.direct_ids import feature_sources, read_ids
+from ..ps_training.rowcache import row_caches, shard_tables
 from .mode_keys import ModeKeys
-from .programs import _as_output, _ProgramBase
-from .progress import logger, progress
+from .programs import as_output, ProgramBase
+from ..progress import logger, progress
 from .spec import check_host_call
 
 __all__ = ["PSTrainProgram", "PS_DIR"]
@@ -49,7 +50,7 @@ __all__ = ["PSTrainProgram", "PS_DIR"]
 PS_DIR = "ps"  # the ps shards' checkpoints, under model_dir
 
 
-class PSTrainProgram(_ProgramBase):
+class PSTrainProgram(ProgramBase):
     """One worker's training step against the parameter servers of ``strategy``."""
 
     mode = ModeKeys.TRAIN
@@ -66,9 +67,9 @@ class PSTrainProgram(_ProgramBase):
         self._keep = 3
         self._optimizers: list[Any] = []
         self._direct: dict[str, Any] | None = None  # lookup ids read from the batch (direct_ids.py)
-        self.store.shard_tables(len(strategy.cluster.ps_addresses), strategy.shard_bytes)
+        shard_tables(self.store, len(strategy.cluster.ps_addresses), strategy.shard_bytes)
         self.function = self._trace(self._step)
-        self.caches = self.store.row_caches()
+        self.caches = row_caches(self.store)
         self._check_caches()
         self.ids_function = self._trace(self._ids) if any(self.sparse) else None
         self.optimizer_config = host_optimizer_config(self._optimizers, strategy.sparse)
@@ -115,7 +116,7 @@ class PSTrainProgram(_ProgramBase):
         spec, tensors = self._model(features, labels)
         outputs = {"loss": tf.convert_to_tensor(spec.loss)}
         if spec.train_op is not None:
-            outputs["train_op"] = _as_output(spec.train_op)
+            outputs["train_op"] = as_output(spec.train_op)
         for i, t in enumerate(tensors):
             if isinstance(t, tf.IndexedSlices):
                 outputs[f"ids{i}"], outputs[f"rows{i}"] = t.indices, t.values

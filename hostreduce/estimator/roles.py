@@ -21,7 +21,8 @@ from ..errors import ClusterError, ConfigError
 from .checkpoint import CheckpointError
 from .checkpointing import with_ps_tables
 from .mode_keys import ModeKeys
-from .progress import logger, progress
+from ..ps_training.roles import serve_and_exit
+from ..progress import logger, progress
 from .summaries import SummaryWriter
 
 __all__ = ["check_can_train", "train_and_evaluate_ps", "DONE_FILE"]
@@ -32,13 +33,6 @@ POLL_S = 0.5
 
 def _role(strategy: Any) -> str:
     return getattr(strategy, "role", "worker") if getattr(strategy, "parameter_servers", False) else "worker"
-
-
-def serve_and_exit(strategy: Any) -> NoReturn:
-    progress("ps task %d: serving parameter-server shards until the chief ends the job", strategy.cluster.task_index)
-    strategy.serve()
-    progress("ps task %d: the chief ended the job", strategy.cluster.task_index)
-    raise SystemExit(0)
 
 
 def check_can_train(strategy: Any) -> None:

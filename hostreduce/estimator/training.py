@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from ..errors import ConfigError
-from .progress import progress
+from ..progress import progress
 
 __all__ = ["TrainSpec", "EvalSpec", "train_and_evaluate"]
 

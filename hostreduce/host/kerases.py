@@ -12,7 +12,9 @@ import threading
 from types import ModuleType
 from typing import Any
 
-__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_subclass"]
+from ..errors import ConfigError
+
+__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_subclass", "check_not_xla"]
 
 _PACKAGES = ("keras", "tf_keras")
 
@@ -60,3 +62,17 @@ def optimizer_subclass(base: type, methods: type, **attributes: Any) -> type:
                              __doc__=base.__doc__)
             cls = _subclasses[base, methods] = type(base.__name__, (base,), namespace)
         return cls
+
+
+def check_not_xla() -> None:
+    """Refuse to run inside an XLA-compiled step: gradients reach the host through ops XLA
+    cannot compile."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ConfigError(
+            "A hostreduce optimizer wrapper cannot run in an XLA-compiled train step: its gradients go to the "
+            "host through ops XLA cannot compile. Pass `jit_compile=False` to `model.compile()` "
+            "(Keras turns XLA on by default where a GPU is present)."
+        )

@@ -8,31 +8,52 @@ identified by its name scope with Keras/TensorFlow uniquifying suffixes removed
 (``dense_3`` -> ``dense``), its shape and dtype, and how many identical requests came
 before it in the same call.
 
-With parameter servers (:meth:`VariableStore.shard_tables`) a table the ps will shard by
-rows is created as a :class:`~hostreduce.ps_training.rowcache.RowCache` instead: the worker
-holds the rows of its batch only, and the table's initial value stays uncomputed until
-the chief registers it on the ps.
+A layer above may take over the creation of some variables (:meth:`VariableStore.set_factory`):
+with parameter servers, a table the ps shard by rows is created as a row cache
+(``hostreduce.ps_training.rowcache``) that holds the rows of the batch only.
 """
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from ..errors import SpecError
 
-__all__ = ["VariableStore"]
+__all__ = ["VariableStore", "VariableFactory", "Deferred", "canonical_name", "requested_shape", "LOCAL_COLLECTIONS"]
 
 # tf.compat.v1.GraphKeys.LOCAL_VARIABLES and METRIC_VARIABLES.
-_LOCAL_COLLECTIONS = {"local_variables", "metric_variables"}
+LOCAL_COLLECTIONS = {"local_variables", "metric_variables"}
 # Uniquifying counters: ``dense_3`` -> ``dense``, ``sequential_1_dense_2_kernel`` ->
 # ``sequential_dense_kernel`` (Keras names optimizer slots after the variable's path).
 _SUFFIX = re.compile(r"(_\d+)+(?=/|_|$)")
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """``name`` without its ``:0`` output index and uniquifying suffixes."""
     name = name.split(":")[0]
     return _SUFFIX.sub("", name)
+
+
+class Deferred:
+    """An initial value not computed yet: ``shape``/``dtype`` known, ``()`` computes it."""
+
+    def __init__(self, compute: Callable[[], Any], shape: Any, dtype: Any) -> None:
+        self.compute, self.shape, self.dtype = compute, shape, dtype
+
+    def __call__(self) -> Any:
+        return self.compute()
+
+
+class VariableFactory(Protocol):
+    """Creates some of a store's variables itself (see :meth:`VariableStore.set_factory`)."""
+
+    def scope(self) -> ContextManager[Any]:
+        """Entered around every :meth:`VariableStore.scope`."""
+
+    def create(self, key: str, kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
+        """``(variable, helper variables)`` for the creation request ``kwargs`` (the
+        arguments of ``tf.Variable``) of ``key``, or None to let the store create it."""
 
 
 class VariableStore:
@@ -51,18 +72,17 @@ class VariableStore:
         self._synced: set[str] = set()
         self._local: set[str] = set()
         self._internal: set[int] = set()  # ids of helper variables (a row cache's keys)
-        self._shard: tuple[int, int] | None = None
+        self._factory: VariableFactory | None = None
+        self._made: set[str] = set()
 
-    def shard_tables(self, num_ps: int, shard_bytes: int) -> None:
-        """Create every new variable the ps would shard over ``num_ps`` (``shard_bytes``,
-        see ``hostreduce.ps.placement``) as a row cache."""
-        self._shard = (num_ps, shard_bytes)
+    def set_factory(self, factory: VariableFactory | None) -> None:
+        """Let ``factory`` create the new variables it wants to (the others are created
+        as usual)."""
+        self._factory = factory
 
-    def row_caches(self) -> dict[str, Any]:
-        """The row caches by key (tables the ps hold; this process has only some rows)."""
-        from ..ps_training.rowcache import is_row_cache
-
-        return {k: v for k, v in self.items() if is_row_cache(v)}
+    def made_by_factory(self) -> dict[str, Any]:
+        """The variables the factory created, by key, in creation order."""
+        return {k: v for k, v in self.items() if k in self._made}
 
     def __len__(self) -> int:
         return len(self._order)
@@ -86,7 +106,7 @@ class VariableStore:
             variable = getattr(variable, "_value", variable)
             if id(variable) in known or id(variable) in self._internal:
                 continue
-            base = "external/" + _canonical(getattr(variable, "name", "Variable"))
+            base = "external/" + canonical_name(getattr(variable, "name", "Variable"))
             key, index = base, 0
             while key in self._vars:
                 index += 1
@@ -114,10 +134,8 @@ class VariableStore:
 
         self._counts = {}
         with contextlib.ExitStack() as stack:
-            if self._shard is not None:
-                from ..ps_training.rowcache import deferred_keras_init
-
-                stack.enter_context(deferred_keras_init())
+            if self._factory is not None:
+                stack.enter_context(self._factory.scope())
             stack.enter_context(tf.variable_creator_scope(self._creator))
             yield self
 
@@ -126,25 +144,27 @@ class VariableStore:
 
         scope = tf.get_current_name_scope()
         name = kwargs.get("name") or "Variable"
-        base = _canonical(f"{scope}/{name}" if scope else str(name))
+        base = canonical_name(f"{scope}/{name}" if scope else str(name))
         index = self._counts.get(base, 0)
         self._counts[base] = index + 1
         key = base if index == 0 else f"{base}#{index}"
         existing = self._vars.get(key)
         if existing is not None:
-            shape = _requested_shape(kwargs)
+            shape = requested_shape(kwargs)
             if shape is not None and not shape.is_compatible_with(existing.shape):
                 raise SpecError(
                     f"`model_fn` must create the same variables in every call. Variable {key!r} was created "
                     f"with shape {existing.shape} and is now requested with shape {shape}"
                 )
             return existing
-        cache = self._maybe_row_cache(key, kwargs)
-        if cache is not None:
-            self._vars[key] = cache
+        made = None if self._factory is None else self._factory.create(key, kwargs)
+        if made is not None:
+            variable, helpers = made
+            self._vars[key] = variable
             self._order.append(key)
-            self._internal.add(id(cache.keys))
-            return cache
+            self._made.add(key)
+            self._internal.update(id(h) for h in helpers)
+            return variable
         if self.on_host:
             with tf.device("/CPU:0"):
                 variable = next_creator(**kwargs)
@@ -152,39 +172,14 @@ class VariableStore:
             variable = next_creator(**kwargs)
         self._vars[key] = variable
         self._order.append(key)
-        if set(kwargs.get("collections") or ()) & _LOCAL_COLLECTIONS:
+        if set(kwargs.get("collections") or ()) & LOCAL_COLLECTIONS:
             self._local.add(key)
         return variable
 
 
-    def _maybe_row_cache(self, key: str, kwargs: dict[str, Any]) -> Any:
-        """A row cache for a table the ps will shard, else None."""
-        import tensorflow as tf
-
-        from ..ps.placement import is_sharded
-        from ..ps_training.rowcache import row_cache
-
-        # Only trained variables are on the ps; a frozen table stays whole on the worker.
-        if (self._shard is None or kwargs.get("trainable") is False
-                or set(kwargs.get("collections") or ()) & _LOCAL_COLLECTIONS):
-            return None
-        shape = _requested_shape(kwargs)
-        value = kwargs.get("initial_value")
-        dtype = kwargs.get("dtype") or getattr(value, "dtype", None)
-        if shape is None or not shape.is_fully_defined() or dtype is None:
-            return None
-        dtype = tf.as_dtype(dtype)
-        if not dtype.is_floating or not is_sharded(shape.as_list(), dtype.size, *self._shard):
-            return None
-        # A callable initial value (Keras's Deferred, tf_keras's and tf.compat.v1's
-        # initializers) is computed later, on the chief only.
-        return row_cache(tuple(shape.as_list()), dtype.base_dtype, value, key.replace("/", "_"))
-
-
-def _requested_shape(kwargs: dict[str, Any]) -> Any:
+def requested_shape(kwargs: dict[str, Any]) -> Any:
+    """The ``tf.TensorShape`` a ``tf.Variable`` creation request asks for, or None."""
     import tensorflow as tf
-
-    from ..ps_training.rowcache import Deferred
 
     shape = kwargs.get("shape")
     if shape is None:

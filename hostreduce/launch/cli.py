@@ -47,7 +47,7 @@ def _grace_seconds(raw: str) -> float:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return __version__
 

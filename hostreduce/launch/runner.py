@@ -10,7 +10,6 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,8 +17,9 @@ import time
 from typing import BinaryIO, Callable, Mapping, Sequence
 
 from ..cluster import TF_CONFIG, format_tf_config
+from ..errors import ConfigError
+from ..processes import exit_code, free_ports, job_tasks, tf_config
 from ._output import error_summary, is_startup_notice
-from ._tasks import job_tasks
 
 __all__ = [
     "run_workers",
@@ -38,40 +38,6 @@ _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _CHUNK = 64 * 1024
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Return ``count`` distinct TCP ports on ``host`` that were free a moment ago.
-
-    All sockets stay bound until every port is chosen, so the ports are distinct; they
-    are closed just before returning, which keeps the window for another process to
-    take one as short as possible.
-    """
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"`count` must be an integer >= 1. Received: count={count!r}")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(sock)
-            try:
-                sock.bind((host, 0))
-            except OSError as exc:
-                raise ValueError(f"`host` must be a local address to bind to. Received: host={host!r} ({exc})") from None
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def tf_config(addresses: Sequence[str], index: int) -> str:
-    """The ``TF_CONFIG`` JSON for worker ``index`` of a cluster of ``addresses``."""
-    return format_tf_config(addresses, index)
-
-
 def worker_env(
     base: Mapping[str, str], addresses: Sequence[str], index: int, secret: str
 ) -> dict[str, str]:
@@ -83,11 +49,6 @@ def worker_env(
     env[TF_CONFIG] = format_tf_config(addresses, index)
     env.setdefault(_SECRET_VAR, secret)
     return env
-
-
-def exit_code(returncode: int) -> int:
-    """A shell-style exit status: negative return codes (signals) become 128 + signal."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def _merge_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
@@ -282,7 +243,7 @@ def run_workers(
         verbose: keep TensorFlow's start-up notices (no CUDA driver, ``cuInit``, CPU
             instructions, oneDNN) in the relayed output; they are dropped otherwise.
         num_ps, evaluator: also start this many ``ps`` tasks and an ``evaluator`` (a
-            parameter-server job, ``launch/_tasks.py``), labelled ``[ps0]``, ``[evaluator]``.
+            parameter-server job, ``hostreduce.processes.job_tasks``), labelled ``[ps0]``, ``[evaluator]``.
 
     Returns:
         0 when every worker succeeded; otherwise the exit status of the first worker
@@ -290,17 +251,17 @@ def run_workers(
         timeout, or 128 + signal number when this process was interrupted.
     """
     if isinstance(command, (str, bytes)) or not isinstance(command, Sequence) or not command:
-        raise ValueError(f"`command` must be a non-empty list of strings. Received: command={command!r}")
+        raise ConfigError(f"`command` must be a non-empty list of strings. Received: command={command!r}")
     if not all(isinstance(part, str) for part in command):
-        raise ValueError(f"`command` must be a non-empty list of strings. Received: command={command!r}")
+        raise ConfigError(f"`command` must be a non-empty list of strings. Received: command={command!r}")
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-        raise ValueError(f"`num_workers` must be an integer >= 1. Received: num_workers={num_workers!r}")
+        raise ConfigError(f"`num_workers` must be an integer >= 1. Received: num_workers={num_workers!r}")
     if timeout is not None and (
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0
     ):
-        raise ValueError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
+        raise ConfigError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
     if not isinstance(grace_period, (int, float)) or grace_period < 0:
-        raise ValueError(f"`grace_period` must be a number >= 0. Received: grace_period={grace_period!r}")
+        raise ConfigError(f"`grace_period` must be a number >= 0. Received: grace_period={grace_period!r}")
 
     base = _merge_env(env)
     base.setdefault("PYTHONUNBUFFERED", "1")

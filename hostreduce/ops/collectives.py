@@ -15,16 +15,11 @@ from ..errors import ConfigError
 from ..streaming.host_collective import host_collective
 from . import job as _engine
 from .compression import Compression
+from .arguments import check_compression, kind_of, resolve_op, scale
 from .process_sets import global_process_set, group_of
 
 __all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "group_allreduce", "group_allgather",
            "group_broadcast"]
-
-
-def _kind(kind: str, process_set: Any) -> str:
-    from .tensors import _kind as kind_of
-
-    return kind_of(kind, process_set)
 
 
 def _size_of(group: Any) -> int:
@@ -39,29 +34,28 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     ``op``: Average (default), Sum, Min, Max or Product."""
     import tensorflow as tf
 
-    from .tensors import _check_compression, _scale, resolve_op
 
     channel = _engine.channel()
     group = group_of(process_set)
-    _check_compression(compression)
+    check_compression(compression)
     rop = resolve_op(op)
-    full = _engine.collective_name(_kind("reducescatter", process_set), name)
+    full = _engine.collective_name(kind_of("reducescatter", process_set), name)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         raise ConfigError(f"`tensor` must have at least one dimension to be scattered. Received: shape={tensor.shape}")
-    wire, ctx = compression.compress(_scale(tensor, prescale_factor, "prescale_factor"))
+    wire, ctx = compression.compress(scale(tensor, prescale_factor, "prescale_factor"))
     out = host_collective(channel, f"reducescatter {full}",
                           lambda r, a: [r.reduce_scatter(full, a[0], rop.engine_op, group=group).copy()
                                         .reshape((-1,) + a[0].shape[1:])],
                           [wire], [wire.dtype], [tf.TensorShape([None]).concatenate(tensor.shape[1:])])[0]
-    return _scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
+    return scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
 
 
 def grouped_reducescatter(tensors: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = None,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[Any]:
     """:func:`reducescatter` of each tensor, in order."""
-    base = _engine.collective_name(_kind("grouped_reducescatter", process_set), None)
+    base = _engine.collective_name(kind_of("grouped_reducescatter", process_set), None)
     return [reducescatter(t, compression=compression, op=op, name=f"{base}/{i}", process_set=process_set,
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
             for i, t in enumerate(tensors)]
@@ -77,7 +71,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
 
     channel = _engine.channel()
     group = group_of(process_set)
-    full = _engine.collective_name(_kind("alltoall", process_set), name)
+    full = _engine.collective_name(kind_of("alltoall", process_set), name)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         raise ConfigError(f"`tensor` must have at least one dimension. Received: shape={tensor.shape}")

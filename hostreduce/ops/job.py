@@ -13,23 +13,19 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from ..cluster import ClusterSpec, resolve_cluster
 from ..cluster.mpi_env import spec_from_mpi_env
-from ..errors import HostReduceError
+from ..errors import HostReduceError, NotInitializedError
+from ..reducers.job_end import add_clean_exit_hook
 
 logger = logging.getLogger("hostreduce.horovod")
 
 __all__ = ["NotInitializedError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "channel", "collective_name", "Job", "job"]
-
-
-class NotInitializedError(HostReduceError, ValueError):
-    """A ``hostreduce.horovod`` call that needs the job came before ``init()``."""
 
 
 class Job:
@@ -105,31 +101,22 @@ _lock = threading.Lock()
 _job: Job | None = None
 _flush_registered = False
 _exit_hook_registered = False
+_on_shutdown: list[Callable[[], None]] = []
 
 
 def _end_job_at_exit() -> None:
-    """Close the job's engine at exit (flushing its timeline) ahead of the reducers' own
-    exit hook; a run that ends with an unhandled exception is left to that hook, which
-    aborts the job naming the error."""
+    """Close the job's engine at exit (flushing its timeline) ahead of the reducers
+    themselves; a run that ends with an unhandled exception is left to the reducers'
+    exit hook, which aborts the job naming the error."""
     global _exit_hook_registered
     with _lock:
         if _exit_hook_registered:
             return
         _exit_hook_registered = True
-    # threading runs its exit hooks in reverse order of registration: registered after
-    # the reducer's, this one runs first.
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("threading._register_atexit is not available")
-        register(_close_at_exit)
-    except RuntimeError:
-        atexit.register(_close_at_exit)
+    add_clean_exit_hook(_close_at_exit)
 
 
 def _close_at_exit() -> None:
-    if getattr(sys, "last_value", None) is not None:
-        return
     global _job
     with _lock:
         job, _job = _job, None
@@ -142,13 +129,11 @@ def _close_at_exit() -> None:
             logger.warning("hostreduce.horovod: closing the job at exit failed: %s: %s", type(exc).__name__, exc)
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
+def init(comm: Any = None) -> None:
     """Find this process's place in the job. Safe to call more than once.
 
     Args:
         comm: accepted for Horovod compatibility; only None (the whole job) is supported.
-        process_sets: ProcessSets (or rank lists) to register, as ``hvd.add_process_set``
-            does; ``"dynamic"`` is accepted (sets can always be added later).
     """
     global _job, _flush_registered
     if comm is not None:
@@ -162,11 +147,6 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             if _job.timeline.enabled and not _flush_registered:
                 _flush_registered = True
                 atexit.register(_flush_at_exit)
-    if process_sets is not None:
-        from .process_sets import register_initial
-
-        channel()  # the engine, started on this thread
-        register_initial(process_sets)
 
 
 def _flush_at_exit() -> None:
@@ -181,10 +161,16 @@ def shutdown() -> None:
     with _lock:
         job, _job = _job, None
     if job is not None:
-        from .process_sets import forget_all
-
-        forget_all()
+        for forget in list(_on_shutdown):
+            forget()
         job.close()
+
+
+def on_shutdown(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` when :func:`shutdown` ends the job (groups made on its engine are
+    forgotten there)."""
+    if fn not in _on_shutdown:
+        _on_shutdown.append(fn)
 
 
 def is_initialized() -> bool:

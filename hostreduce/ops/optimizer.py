@@ -81,20 +81,8 @@ def _on_host(variable: Any) -> bool:
     return bool(device) and tf.DeviceSpec.from_string(device).device_type == "CPU"
 
 
-def _check_not_xla() -> None:
-    import tensorflow as tf
-    from tensorflow.python.ops import control_flow_util
-
-    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        raise ConfigError(
-            "A hostreduce optimizer wrapper cannot run in an XLA-compiled train step: its gradients go to the "
-            "host through ops XLA cannot compile. Pass `jit_compile=False` to `model.compile()` "
-            "(Keras turns XLA on by default where a GPU is present)."
-        )
-
-
 def _reduce(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-    _check_not_xla()
+    check_not_xla()
     config: WrapperConfig = optimizer._hostreduce_config
     labels = [_label(v, i) for i, v in enumerate(variables)]
     return reduce_gradients(grads, labels, op=config.op, compression=config.compression,

@@ -16,7 +16,9 @@ import tensorflow as tf
 from ..errors import ConfigError
 from . import job as _engine
 from .compression import Compression
-from .tensors import Average, _check_compression, _check_process_set, global_process_set, reduce_gradients, resolve_op
+from .arguments import Average, check_compression, check_process_set, resolve_op
+from .process_sets import global_process_set
+from .tensors import reduce_gradients
 
 __all__ = ["DistributedGradientTape"]
 
@@ -102,8 +104,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         scale_local_gradients: divide the gradients of sources registered with
             ``register_local_source`` by ``size()``.
     """
-    _check_process_set(process_set)
-    _check_compression(compression)
+    check_process_set(process_set)
+    check_compression(compression)
     if not isinstance(gradtape, tf.GradientTape):
         raise ConfigError(f"`gradtape` must be a tf.GradientTape. Received: {type(gradtape).__name__}")
     rop = resolve_op(op)

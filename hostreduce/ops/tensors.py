@@ -14,100 +14,14 @@ from ..errors import ConfigError, HostReduceError
 from ..streaming import Collective, exchange
 from . import job as _engine
 from .compression import Compression, engine_wire
+from .arguments import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, check_compression, check_process_set, kind_of,
+                        on_set, resolve_op, scale, tf_tensor)
+from .collectives import group_allgather, group_allreduce, group_broadcast
 from .process_sets import ProcessSet, global_process_set, group_of
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
            "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors",
            "reduce_gradients"]
-
-
-class ReduceOp:
-    """A reduction constant (``hvd.Average``, ``hvd.Sum``, ...)."""
-
-    __slots__ = ("name", "engine_op")
-
-    def __init__(self, name: str, engine_op: str | None) -> None:
-        self.name = name
-        self.engine_op = engine_op
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-Average = ReduceOp("Average", "mean")
-Sum = ReduceOp("Sum", "sum")
-Min = ReduceOp("Min", "min")
-Max = ReduceOp("Max", "max")
-Adasum = ReduceOp("Adasum", None)
-Product = ReduceOp("Product", "prod")
-
-
-def _check_process_set(process_set: Any) -> None:
-    """Gradient reduction (the tape, the optimizer wrappers) spans the whole job."""
-    if process_set is not None and process_set is not global_process_set:
-        raise HostReduceError(
-            "`process_set` other than hvd.global_process_set is not supported for gradient reduction "
-            f"(DistributedGradientTape, DistributedOptimizer); use it with the collectives. "
-            f"Received: process_set={process_set!r}"
-        )
-
-
-def _kind(kind: str, process_set: Any) -> str:
-    """A collective's kind for naming, with its process set's ranks."""
-    if process_set is None or process_set is global_process_set or not isinstance(process_set, ProcessSet):
-        return kind
-    return f"{kind}@{','.join(map(str, process_set.ranks or ()))}"
-
-
-def _on_set(process_set: Any) -> bool:
-    """Whether ``process_set`` is a set other than the whole job (checked: registered,
-    and this rank a member)."""
-    group_of(process_set)
-    return process_set is not None and process_set is not global_process_set
-
-
-def resolve_op(op: Any, average: Any = None) -> ReduceOp:
-    """Horovod's ``op``/``average`` pair as a supported :class:`ReduceOp`."""
-    if average is not None:
-        if op is not None:
-            raise ConfigError(f"`average` and `op` cannot both be given. Received: average={average!r}, op={op!r}")
-        op = Average if average else Sum
-    if op is None:
-        op = Average
-    if not isinstance(op, ReduceOp):
-        raise ConfigError(f"`op` must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product. "
-                          f"Received: op={op!r}")
-    if op.engine_op is None:
-        raise ConfigError(
-            f"`op={op!r}` is not supported by hostreduce.horovod; use Average, Sum, Min, Max or Product. "
-            f"Received: op={op!r}"
-        )
-    return op
-
-
-def _check_compression(compression: Any) -> None:
-    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-        raise ConfigError(
-            "`compression` must be Compression.none, Compression.fp16, Compression.bf16 or an object with "
-            f"compress() and decompress(). Received: compression={compression!r}"
-        )
-
-
-def tf_tensor(value: Any) -> Any:
-    import tensorflow as tf
-
-    return tf.convert_to_tensor(value)
-
-
-def _scale(tensor: Any, factor: Any, argument: str) -> Any:
-    import tensorflow as tf
-
-    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor == 1:
-        return tensor
-    if not tensor.dtype.is_floating:
-        raise ConfigError(f"`{argument}` needs a floating-point tensor. Received: {argument}={factor!r} "
-                          f"for a tensor of dtype {tensor.dtype.name}")
-    return tensor * tf.cast(factor, tensor.dtype)
 
 
 def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *, labels: Sequence[str] | None = None,
@@ -140,7 +54,7 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
                             Collective("allgather", f"{name}.indices", label=f"{label} indices")]
         else:
             tensor = tf.convert_to_tensor(tensor)
-            scaled = _scale(tensor, prescale_factor, "prescale_factor")
+            scaled = scale(tensor, prescale_factor, "prescale_factor")
             # bf16 off a GPU: the engine casts on the host; the hand-off moves float32.
             on_host = engine_wire(compression, scaled)
             wire, ctx = (scaled, None) if on_host else compression.compress(scaled)
@@ -162,7 +76,7 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
         else:
             at, ctx, on_host = info
             done = results[at] if on_host else compression.decompress(results[at], ctx)
-            out.append(_scale(done, postscale_factor, "postscale_factor"))
+            out.append(scale(done, postscale_factor, "postscale_factor"))
     return out
 
 
@@ -213,15 +127,14 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
         A tensor of the input's shape and dtype (a ``tf.IndexedSlices`` for one).
     """
     _engine.job()
-    _check_compression(compression)
+    check_compression(compression)
     rop = resolve_op(op, average)
-    full_name = _engine.collective_name(_kind("allreduce", process_set), name)
-    if _on_set(process_set):
-        from .collectives import group_allreduce
+    full_name = _engine.collective_name(kind_of("allreduce", process_set), name)
+    if on_set(process_set):
 
-        scaled = _scale(tf_tensor(tensor), prescale_factor, "prescale_factor")
+        scaled = scale(tf_tensor(tensor), prescale_factor, "prescale_factor")
         wire, ctx = compression.compress(scaled)
-        return _scale(compression.decompress(group_allreduce(wire, rop, full_name, process_set), ctx),
+        return scale(compression.decompress(group_allreduce(wire, rop, full_name, process_set), ctx),
                       postscale_factor, "postscale_factor")
     return reduce_tensors([tensor], rop, [full_name], compression=compression, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, chained=True)[0]
@@ -237,12 +150,12 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     results are waited for once every tensor of the group has been handed off.
     """
     _engine.job()
-    _check_compression(compression)
+    check_compression(compression)
     if not tensors:
         return list(tensors)
     rop = resolve_op(op, average)
-    base = _engine.collective_name(_kind("grouped_allreduce", process_set), name)
-    if _on_set(process_set):
+    base = _engine.collective_name(kind_of("grouped_allreduce", process_set), name)
+    if on_set(process_set):
         return [allreduce(t, compression=compression, op=rop, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, name=f"{base}/{i}", process_set=process_set)
                 for i, t in enumerate(tensors)]
@@ -258,9 +171,8 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     be equal. A scalar is gathered as a vector of one element per rank.
     """
     channel = _engine.channel()
-    full_name = _engine.collective_name(_kind("allgather", process_set), name)
-    if _on_set(process_set):
-        from .collectives import group_allgather
+    full_name = _engine.collective_name(kind_of("allgather", process_set), name)
+    if on_set(process_set):
 
         return group_allgather(tensor, full_name, process_set)
     return exchange(channel, [tensor], [Collective("allgather", full_name)], chained=True)[0]
@@ -283,11 +195,10 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
               process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank (shape and dtype equal everywhere)."""
     channel = _engine.channel()
-    on_set = _on_set(process_set)
+    on_set = on_set(process_set)
     root = _check_root(root_rank, process_set)
-    full_name = _engine.collective_name(_kind("broadcast", process_set), name)
+    full_name = _engine.collective_name(kind_of("broadcast", process_set), name)
     if on_set:
-        from .collectives import group_broadcast
 
         return group_broadcast(tensor, root, full_name, process_set)
     return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
@@ -306,14 +217,13 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
     ``tf.function`` the returned op performs it (as Horovod). ``inplace`` is accepted.
     """
     channel = _engine.channel()
-    on_set = _on_set(process_set)
+    on_set = on_set(process_set)
     root = _check_root(root_rank, process_set)
     variables = list(variables)
     import tensorflow as tf
 
-    base = _engine.collective_name(_kind("broadcast_variables", process_set), None)
+    base = _engine.collective_name(kind_of("broadcast_variables", process_set), None)
     if on_set:
-        from .collectives import group_broadcast
 
         values = [group_broadcast(v, root, f"{base}/{i}", process_set) for i, v in enumerate(variables)]
         assigns = [v.assign(value) for v, value in zip(variables, values)]

@@ -11,15 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from ..errors import ClusterError, ConfigError
+from ..errors import ClusterError, ConfigError, JobFailedError
 
 __all__ = ["serve_from_env", "server_from_env", "JobFailedError"]
 
 log = logging.getLogger("hostreduce.ps")
-
-
-class JobFailedError(ClusterError):
-    """The job this ps served ended by a failure (the chief's, or the chief was lost)."""
 
 
 def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: float | None = None,

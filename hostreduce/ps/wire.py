@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import WireError
+
 __all__ = ["pack", "unpack", "SERVICE", "METHODS", "channel_options", "WireError"]
 
 SERVICE = "hostreduce.ParameterServer"
@@ -21,10 +23,6 @@ METHODS = ("Info", "Register", "Open", "PullDense", "PullRows", "Push", "Save", 
 _DTYPES = {"float16", "float32", "float64", "int32", "int64"}
 _ALIGN = 8
 MAX_HEADER_BYTES = 16 << 20
-
-
-class WireError(ValueError):
-    """A message that does not decode (truncated, sizes that disagree, unknown dtype)."""
 
 
 def _pad(n: int) -> int:

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, SpecError
-from .rowcache import is_row_cache
+from .rowcache import is_row_cache, row_caches, shard_tables
 
 __all__ = ["keras_optimizer", "variable_scope", "pull_variables"]
 
@@ -117,13 +117,13 @@ class _PSUpdate:
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         import tensorflow as tf
 
-        from ..ops.optimizer import _check_not_xla
+        from ..host.kerases import check_not_xla
 
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         if not self.built:
             self.build(variables)
-        _check_not_xla()
+        check_not_xla()
         _check_one_lookup(variables)
         for g, v in zip(grads, variables):
             cache = _cache(v)
@@ -182,7 +182,7 @@ def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
 
     role = strategy.role
     if role == "ps":
-        from ..estimator.roles import serve_and_exit
+        from .roles import serve_and_exit
 
         serve_and_exit(strategy)
     if role != "worker":
@@ -209,12 +209,13 @@ def variable_scope(strategy: Any) -> Iterator[None]:
     from ..host.variables import VariableStore
 
     store = VariableStore(on_host=True)
-    store.shard_tables(len(strategy.cluster.ps_addresses), strategy.shard_bytes)
+    shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes)
     with store.scope():
         yield
-    for cache in store.row_caches().values():  # traced before the optimizer connects the job
+    caches = row_caches(store)
+    for cache in caches.values():  # traced before the optimizer connects the job
         cache.step_fill = lambda ids, cache=cache: _connected(strategy).fill(cache, ids)
-    if store.row_caches() and strategy._keras_lookups is None:
+    if caches and strategy._keras_lookups is None:
         # Lookups in the train step, traced later, must read the caches' rows (Keras 3's
         # take reads a variable whole): kept for the life of the process, on this thread.
         strategy._keras_lookups = contextlib.ExitStack()

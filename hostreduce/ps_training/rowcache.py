@@ -22,26 +22,18 @@ lookup then first runs a host op that pulls its rows into the cache.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
 
 from ..errors import SpecError
 from ..host.patch import routed
+from ..host.variables import LOCAL_COLLECTIONS, Deferred, VariableStore, requested_shape
+from ..ps.placement import is_sharded
 
-__all__ = ["Deferred", "row_cache", "row_cache_type", "is_row_cache", "keras_take", "deferred_keras_init"]
+__all__ = ["shard_tables", "row_caches", "RowCacheFactory", "row_cache", "row_cache_type", "is_row_cache", "keras_take", "deferred_keras_init"]
 
 _SPARE = np.iinfo(np.int64).max
-
-
-class Deferred:
-    """An initial value not computed yet: ``shape``/``dtype`` known, ``()`` computes it."""
-
-    def __init__(self, compute: Callable[[], Any], shape: Any, dtype: Any) -> None:
-        self.compute, self.shape, self.dtype = compute, shape, dtype
-
-    def __call__(self) -> Any:
-        return self.compute()
 
 
 def _row_cache_class() -> type:
@@ -155,3 +147,44 @@ def deferred_keras_init() -> Iterator[None]:
         stack.enter_context(routed(core.Variable, "_initialize_with_initializer", _deferred_init))
         stack.enter_context(routed(knp, "take", keras_take))
         yield
+
+
+class RowCacheFactory:
+    """Creates every new trained float variable the ps would shard over ``num_ps``
+    (``shard_bytes``, see ``hostreduce.ps.placement``) as a row cache (a
+    :class:`~hostreduce.host.variables.VariableFactory`)."""
+
+    def __init__(self, num_ps: int, shard_bytes: int) -> None:
+        self.num_ps, self.shard_bytes = num_ps, shard_bytes
+
+    def scope(self) -> ContextManager[None]:
+        return deferred_keras_init()
+
+    def create(self, key: str, kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
+        import tensorflow as tf
+
+        # Only trained variables are on the ps; a frozen table stays whole on the worker.
+        if kwargs.get("trainable") is False or set(kwargs.get("collections") or ()) & LOCAL_COLLECTIONS:
+            return None
+        shape = requested_shape(kwargs)
+        value = kwargs.get("initial_value")
+        dtype = kwargs.get("dtype") or getattr(value, "dtype", None)
+        if shape is None or not shape.is_fully_defined() or dtype is None:
+            return None
+        dtype = tf.as_dtype(dtype)
+        if not dtype.is_floating or not is_sharded(shape.as_list(), dtype.size, self.num_ps, self.shard_bytes):
+            return None
+        # A callable initial value (Keras's Deferred, tf_keras's and tf.compat.v1's
+        # initializers) is computed later, on the chief only.
+        cache = row_cache(tuple(shape.as_list()), dtype.base_dtype, value, key.replace("/", "_"))
+        return cache, [cache.keys]
+
+
+def shard_tables(store: VariableStore, num_ps: int, shard_bytes: int) -> None:
+    """Make ``store`` create the tables the ps shard by rows as row caches."""
+    store.set_factory(RowCacheFactory(num_ps, shard_bytes))
+
+
+def row_caches(store: VariableStore) -> dict[str, Any]:
+    """The row caches of ``store`` by key (tables the ps hold; this process has only some rows)."""
+    return store.made_by_factory()

@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ConfigError, HostReduceError
+from ..errors import ConfigError, HorovodUnavailableError, HostReduceError
 from ._args import even_counts
 from .job_end import add_job_abort, exit_at_once
 from .mpi.collectives import finish_mean
@@ -62,10 +62,6 @@ __all__ = ["HorovodReducer", "HorovodUnavailableError", "import_horovod"]
 _log = logging.getLogger("hostreduce.reducers.horovod")
 
 BUILD_HINT = "build it into this environment with scripts/build_horovod.sh (PYTHON=<venv>/bin/python)"
-
-
-class HorovodUnavailableError(ConfigError, ImportError):
-    """Horovod (with TensorFlow support) cannot be imported in this environment."""
 
 
 def import_horovod() -> Any:
@@ -317,9 +313,9 @@ def _abort_horovod_job(reason: str) -> None:
     from .mpi.select import loaded_libmpi
 
     if loaded_libmpi():
-        from .mpi.reducer import _abort_mpi_job
+        from .mpi.reducer import abort_mpi_job
 
-        _abort_mpi_job(reason)
+        abort_mpi_job(reason)
     exit_at_once(1)
 
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 if TYPE_CHECKING:
     from .base import Reducer
 
-__all__ = ["describe_exception", "track", "untrack", "note_peer_failure", "add_job_abort", "flush_std_streams",
-           "exit_at_once"]
+__all__ = ["describe_exception", "track", "untrack", "note_peer_failure", "add_job_abort", "add_clean_exit_hook",
+           "flush_std_streams", "exit_at_once"]
 
 _log = logging.getLogger("hostreduce")
 
@@ -40,6 +40,7 @@ def describe_exception(exc: BaseException) -> str:
 # call close() would wait for each other forever.
 _LIVE: "weakref.WeakSet[Reducer]" = weakref.WeakSet()
 _JOB_ABORTS: list[Callable[[str], None]] = []
+_CLEAN_EXIT_HOOKS: list[Callable[[], None]] = []
 _hooks_lock = threading.Lock()
 _hooks_installed = False
 _peer_failure: BaseException | None = None
@@ -89,6 +90,16 @@ def add_job_abort(fn: Callable[[str], None]) -> None:
             _JOB_ABORTS.append(fn)
 
 
+def add_clean_exit_hook(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` at interpreter exit before the live reducers are closed, unless the
+    exit is due to an unhandled exception (then the reducers abort the job at once).
+    The faces close their job's engine this way (``hostreduce.ops.job``)."""
+    _install_exit_hooks()
+    with _hooks_lock:
+        if fn not in _CLEAN_EXIT_HOOKS:
+            _CLEAN_EXIT_HOOKS.append(fn)
+
+
 def note_peer_failure(error: BaseException) -> None:
     """A peer failed: the process exits non-zero even if the script catches the error."""
     global _peer_failure
@@ -100,6 +111,12 @@ def _close_live_at_exit() -> None:
     # Python sets sys.last_value for an unhandled exception before the exit hooks run.
     error = getattr(sys, "last_value", None)
     reason = None if error is None else describe_exception(error)
+    if reason is None:
+        for hook in list(_CLEAN_EXIT_HOOKS):
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit; the reducers still close
+                _log.warning("an exit hook failed: %s: %s", type(exc).__name__, exc)
     for reducer in list(_LIVE):
         try:
             if reason is None:

@@ -19,7 +19,7 @@ import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from ..cluster import format_tf_config
-from ..launch.runner import free_ports
+from ..processes import alive as _alive, free_ports
 from .preloading import Inherited, rank_context
 
 __all__ = [
@@ -114,16 +114,6 @@ def _die_with_parent(parent_pid: int, forked: bool) -> None:
         return
     if (not forked and os.getppid() != parent_pid) or not _alive(parent_pid):
         os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _rank_main(

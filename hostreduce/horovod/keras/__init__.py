@@ -17,8 +17,9 @@ from ...ops import job as _engine
 from ...ops.compression import Compression
 from ...ops.job import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
                        size)
-from ...ops.tensors import (Average, Max, Min, Sum, _check_compression, _check_process_set, broadcast_variables,
-                    global_process_set, resolve_op)
+from ...ops.arguments import Average, Max, Min, Sum, check_compression, check_process_set, resolve_op
+from ...ops.process_sets import global_process_set
+from ...ops.tensors import broadcast_variables
 from ...ops.optimizer import HOST, WrapperConfig, wrap_loaded_optimizer, wrap_optimizer
 from . import callbacks
 
@@ -64,8 +65,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
         The wrapped optimizer, for ``model.compile(optimizer=...)`` or a custom loop's
         ``apply_gradients``. In ``compile``, leave ``jit_compile`` off.
     """
-    _check_process_set(process_set)
-    _check_compression(compression)
+    check_process_set(process_set)
+    check_compression(compression)
     rop = resolve_op(op)
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step < 1:
@@ -116,7 +117,7 @@ def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any
     import tensorflow as tf
 
     _engine.job()  # fail before reading the file when init() was not called
-    _check_compression(compression)
+    check_compression(compression)
     if custom_optimizers is not None and (isinstance(custom_optimizers, (str, type))
                                           or not all(isinstance(c, type) for c in custom_optimizers)):
         raise ConfigError("`custom_optimizers` must be a list of optimizer classes. "

@@ -59,7 +59,7 @@ _MAX_SLEEP_S = 0.001
 _ARRIVE_TAG = 1  # the members' rendezvous before MPI_Comm_create_group
 
 
-def _abort_mpi_job(reason: str) -> None:
+def abort_mpi_job(reason: str) -> None:
     """At an exit with an unhandled exception: stop every rank of the job."""
     from mpi4py import MPI
 
@@ -123,7 +123,7 @@ class MPIReducer(Reducer):
         self._worker = SerialWorker("mpi", self._rank, self._config.timeout_s, translate=self._translate,
                                     on_stop=self._free)
         if self._size > 1:
-            add_job_abort(_abort_mpi_job)
+            add_job_abort(abort_mpi_job)
         self._register_live()
 
     @property

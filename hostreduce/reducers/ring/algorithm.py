@@ -104,7 +104,7 @@ def segment_bounds(n: int, parts: int) -> list[int]:
     return bounds
 
 
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
            ReduceOp.PROD: np.multiply}
 
 
@@ -114,17 +114,17 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, src_first: bool 
     NaN payloads and signed zeros included). float16 and bfloat16 sums and products are
     computed in float32 and rounded once, with the bits numpy and ml_dtypes give, in
     vectorised blocks (their own loops go one element at a time)."""
-    if combine16(dst, src, _UFUNCS[op], src_first):
+    if combine16(dst, src, UFUNCS[op], src_first):
         return
     if src_first:
-        _UFUNCS[op](src, dst, out=dst)
+        UFUNCS[op](src, dst, out=dst)
     else:
-        _UFUNCS[op](dst, src, out=dst)
+        UFUNCS[op](dst, src, out=dst)
 
 
 def reduce_pair(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: ReduceOp) -> None:
     """out = a (op) b, elementwise (``reduce_into`` with the first operand elsewhere)."""
-    _UFUNCS[op](a, b, out=out)
+    UFUNCS[op](a, b, out=out)
 
 
 # Turn a sum into a mean (floor division for integers), as every engine does.

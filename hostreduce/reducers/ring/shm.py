@@ -23,13 +23,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ...errors import PeerLostError
-from .algorithm import _UFUNCS, finalize, reduce_into, segment_bounds
+from .algorithm import UFUNCS, finalize, reduce_into, segment_bounds
 from .shm_sync import ControlBlock, Segment, Waiter
 from ..base import ReduceOp
 
 __all__ = ["ShmGroup"]
 
-_BLOCK_BYTES = 1024 * 1024
+BLOCK_BYTES = 1024 * 1024
 
 
 def _reduce_in_rank_order(acc: np.ndarray, rank: int, size: int, op: ReduceOp,
@@ -47,7 +47,7 @@ def _reduce_in_rank_order(acc: np.ndarray, rank: int, size: int, op: ReduceOp,
         if x0 is head:
             reduce_into(head, fetch(1, tmp), op)
         else:
-            _UFUNCS[op](x0, fetch(1, tmp), out=head)
+            UFUNCS[op](x0, fetch(1, tmp), out=head)
         for j in range(2, rank):
             reduce_into(head, fetch(j, tmp), op)
         reduce_into(acc, head, op, src_first=True)
@@ -132,7 +132,7 @@ class ShmGroup:
         addrs = [int(a) for a in w["addr"]]
         item = buf.dtype.itemsize
         lo, hi = bounds[rank], bounds[rank + 1]
-        block = max(1, _BLOCK_BYTES // item)
+        block = max(1, BLOCK_BYTES // item)
         count = min(block, max(hi - lo, 1))
         tmp, head = self._scratch(buf.dtype, count, 0), self._scratch(buf.dtype, count, 1)
         try:
@@ -170,7 +170,7 @@ class ShmGroup:
     def _scratch(self, dtype: np.dtype, count: int, slot: int) -> np.ndarray:
         buf = self._tmp[slot]
         if buf is None or buf.nbytes < count * dtype.itemsize:
-            buf = self._tmp[slot] = np.empty(max(count * dtype.itemsize, _BLOCK_BYTES), np.uint8)
+            buf = self._tmp[slot] = np.empty(max(count * dtype.itemsize, BLOCK_BYTES), np.uint8)
         return buf[: count * dtype.itemsize].view(dtype)
 
     # ------------------------------------------------------------------ buffers
@@ -237,7 +237,7 @@ class ShmGroup:
         region = self._prepare([n * dtype.itemsize] * self.size)
         views = [self._region(j, region, dtype, n) for j in range(self.size)]
         mine = views[self.rank]
-        block = max(1, _BLOCK_BYTES // dtype.itemsize)
+        block = max(1, BLOCK_BYTES // dtype.itemsize)
         nblocks = -(-n // block)
         size, rank = self.size, self.rank
         base_c = self._copied_base

@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import PeerLostError
 from ..base import ReduceOp
 from .algorithm import finalize, reduce_into, reduce_pair
-from .shm import _BLOCK_BYTES, ShmGroup
+from .shm import BLOCK_BYTES, ShmGroup
 from .shm_sync import Waiter
 
 __all__ = ["reduce_scatter", "alltoall"]
@@ -59,7 +59,7 @@ def _direct(shm: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp
     addrs = [int(a) for a in w["addr"]]
     item = flat.dtype.itemsize
     lo, hi = bounds[rank], bounds[rank + 1]
-    block = max(1, _BLOCK_BYTES // item)
+    block = max(1, BLOCK_BYTES // item)
     tmp = shm._scratch(flat.dtype, min(block, max(hi - lo, 1)), 0)
     j = rank
     try:

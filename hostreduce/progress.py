@@ -1,4 +1,5 @@
-"""Where the Estimator's progress lines go (step, loss, checkpoints, evaluation results)."""
+"""Where training's progress lines go (step, loss, checkpoints, evaluation results, ps
+tasks serving), on the ``hostreduce.estimator`` logger."""
 from __future__ import annotations
 
 import logging
