@@ -271,7 +271,7 @@ class ParameterServerStrategy(Strategy):
         self.shard_bytes, self.sparse, self._timeout_s = shard_bytes, sparse, timeout_s
         self.cluster_resolver = cluster_resolver
         self._job: Any = None
-        self._keras_exchange: Any = None  # the Keras face's tie to the ps (hostreduce/ps/keras.py)
+        self._keras_exchange: Any = None  # the Keras face's tie to the ps (hostreduce/ps_training/keras.py)
         self._keras_lookups: Any = None
 
     def _resolve_cluster(self) -> Any:
@@ -326,7 +326,7 @@ class ParameterServerStrategy(Strategy):
     def keras_optimizer(self, optimizer: Any) -> Any:
         """``optimizer`` (Keras 3 SGD, Adam or Adagrad, not used yet) for ``model.compile``
         or ``apply_gradients``, with the variables and its slots on the ps: each step
-        pushes the gradients and pulls the variables back (``hostreduce/ps/keras.py``).
+        pushes the gradients and pulls the variables back (``hostreduce/ps_training/keras.py``).
         On a ``ps`` task this call serves until the chief ends the job, then exits 0."""
         from .ps_training.keras import keras_optimizer
 

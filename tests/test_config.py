@@ -47,3 +47,24 @@ def test_secret_is_not_shown_in_repr():
 def test_config_is_frozen():
     with pytest.raises(Exception):
         Config().timeout_s = 1.0  # type: ignore[misc]
+
+
+def test_an_engine_registered_by_name_is_chosen_by_hostreduce_reducer():
+    """``HOSTREDUCE_REDUCER`` names any registered engine; an unknown name is refused by
+    the registry, naming the engines there are."""
+    from hostreduce.reducers import create_reducer, register_reducer
+    from hostreduce.reducers.local import LocalReducer
+
+    @register_reducer("local_for_config_test")
+    class Named(LocalReducer):
+        pass
+
+    config = Config.from_env({"HOSTREDUCE_REDUCER": "local_for_config_test"})
+    reducer = create_reducer(config=config)
+    try:
+        assert isinstance(reducer, Named) and reducer.name == "local_for_config_test"
+    finally:
+        reducer.close()
+    with pytest.raises(ConfigError, match=r"`reducer` must be one of \[.*'local_for_config_test'.*\]. "
+                                          r"Received: reducer='nope'"):
+        create_reducer(config=Config.from_env({"HOSTREDUCE_REDUCER": "nope"}))

@@ -1,4 +1,4 @@
-"""A training step's lookup ids read from the batch with numpy (``direct_ids.py``) equal
+"""A training step's lookup ids read from the batch with numpy (``hostreduce/ps_training/direct_ids.py``) equal
 the traced function's, and anything but features passed through the allowed ops keeps
 the traced function."""
 from __future__ import annotations

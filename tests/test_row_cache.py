@@ -1,5 +1,5 @@
 """A table the parameter servers shard by rows is a row cache on a worker
-(``hostreduce/host/rowcache.py``): every way ``model_fn`` looks rows up (Keras 3 and
+(``hostreduce/ps_training/rowcache.py``): every way ``model_fn`` looks rows up (Keras 3 and
 tf_keras ``Embedding``, ``tf.gather``, ``tf.nn.embedding_lookup`` on a
 ``tf.compat.v1.get_variable``) reads the cached rows at their global ids, the gradient
 names global rows again, the initial value is the one an ordinary variable gets, and

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .._files import fsync_path, replace_atomically, write_synced
-from ..errors import CheckpointError, HostReduceError
+from ..errors import CheckpointError
 
 __all__ = ["CheckpointManager", "CheckpointError", "GLOBAL_STEP"]
 

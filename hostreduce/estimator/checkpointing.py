@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..progress import logger, progress
 from .checkpoint import CheckpointManager
 from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
-from ..progress import logger, progress
 
 __all__ = ["Checkpointing", "with_ps_tables"]
 

@@ -12,12 +12,12 @@ import numpy as np
 from ..errors import ConfigError
 from ..host.variables import VariableStore
 from ..timeline import Timeline, timeline_dir_from_env
+from ..progress import progress
 from .checkpoint import CheckpointManager
-from .checkpointing import Checkpointing
+from .checkpointing import Checkpointing, with_ps_tables
 from .export import features_spec, write_saved_model
 from .inputs import batch_size, call_input_fn, check_model_fn, check_steps, split_element, without_autotune_thread
 from .mode_keys import ModeKeys
-from ..progress import progress
 from .programs import EvalProgram, PredictProgram, TrainProgram
 from .ps_program import PSTrainProgram
 from .roles import check_can_train
@@ -107,6 +107,11 @@ class Estimator:
 
     def _own_variables(self) -> dict[str, np.ndarray]:
         return {k: v.numpy() for k, v in self._store.items() if k not in self._excluded_keys}
+
+    @property
+    def checkpoints(self) -> CheckpointManager | None:
+        """The checkpoint files of ``model_dir`` (None without one)."""
+        return self._checkpoints
 
     def latest_checkpoint(self) -> str | None:
         """The prefix of the latest checkpoint in ``model_dir`` (``.../ckpt-N/variables``,
@@ -273,8 +278,13 @@ class Estimator:
         return float(out[0])
 
     # -- evaluate --------------------------------------------------------------
-    def evaluate(self, input_fn: Callable[..., Any], steps: int | None = None) -> dict[str, float]:
+    def evaluate(self, input_fn: Callable[..., Any], steps: int | None = None,
+                 checkpoint_path: str | None = None) -> dict[str, float]:
         """Evaluate on ``input_fn``'s data (``steps`` batches, or until it ends).
+
+        With ``checkpoint_path`` (a checkpoint directory of ``model_dir``, or its prefix
+        as :meth:`latest_checkpoint` gives it), the variables are first set from that
+        checkpoint, and ``global_step`` is its step; without it, the variables as they are.
 
         Returns a dict with ``loss`` (mean over batches), every entry of
         ``eval_metric_ops`` and ``global_step``. Metrics start from zero at every call.
@@ -287,6 +297,8 @@ class Estimator:
         strategy = self._strategy
         dataset = self._dataset(input_fn, ModeKeys.EVAL)
         program = self._program(ModeKeys.EVAL, dataset.element_spec)
+        if checkpoint_path is not None:
+            self._assign_checkpoint(checkpoint_path)
         keras_metrics = program.keras_metrics()
         for metric in keras_metrics.values():
             metric.reset_state()
@@ -335,6 +347,20 @@ class Estimator:
         return results
 
     # -- predict ---------------------------------------------------------------
+    def _assign_checkpoint(self, path: str) -> None:
+        """Set the variables (and ``global_step``) from the checkpoint at ``path``."""
+        if self._checkpoints is None:
+            raise ConfigError("`checkpoint_path` names a checkpoint of `model_dir`: give the Estimator a model_dir. "
+                              f"Received: checkpoint_path={path!r}, model_dir=None")
+        directory = os.path.dirname(path) if os.path.basename(path) == "variables" else path
+        step, arrays, _ = self._checkpoints.load(directory)
+        arrays = with_ps_tables(self._checkpoints, step, arrays, [k for k, _ in self._store.items()])
+        for key, var in self._store.items():
+            if key in arrays:
+                var.assign(arrays[key])
+        self._global_step = step
+        progress("Evaluating checkpoint %s (step %d)", directory, step)
+
     def predict(self, input_fn: Callable[..., Any], predict_keys: list[str] | None = None,
                 yield_single_examples: bool = True) -> Iterator[Any]:
         """Yield predictions for ``input_fn``'s data (this worker's shard), one example at

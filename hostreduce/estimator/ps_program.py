@@ -1,7 +1,7 @@
 """The training step with parameter servers: ``model_fn`` traced as for the ring, but its
 ``host_call`` is not run here; the ps apply its gradients.
 
-``host_call`` is read once (``host/capture.py``): which variable each of its tensors
+``host_call`` is read once (``ps_training/capture.py``): which variable each of its tensors
 updates and with which optimizer; the chief registers those variables, with their
 values, and that optimizer on the ps. Each step then:
 
@@ -9,13 +9,13 @@ values, and that optimizer on the ps. Each step then:
    whose gradient is an ``IndexedSlices`` (an embedding table) only at the rows the
    batch looks up, found by a second traced function that computes just the lookup's
    indices from the batch (its outputs do not depend on the rest of the step), or read
-   from the batch with numpy when they are features as they are (``direct_ids.py``);
+   from the batch with numpy when they are features as they are (``ps_training/direct_ids.py``);
    all in one call per ps;
 2. runs forward and backward on the device;
 3. pushes the gradients, an embedding's as (indices, rows), and waits (sync) until the
    ps applied the step.
 
-A table the ps shard by rows is, on a worker, a row cache (``host/rowcache.py``) that
+A table the ps shard by rows is, on a worker, a row cache (``ps_training/rowcache.py``) that
 holds the batch's rows only: step 1 fills it, the lookups in the step read it, and the
 gradient's cache slots are turned back into global row ids before the push; evaluation
 and prediction on a worker fill it the same way (:meth:`PSTrainProgram.feed`). Its
@@ -40,9 +40,9 @@ from ..ps_training.capture import capture_updates, host_optimizer_config
 from ..host.gradients import recording, sparse_gradients
 from ..ps_training.direct_ids import feature_sources, read_ids
 from ..ps_training.rowcache import row_caches, shard_tables
+from ..progress import logger, progress
 from .mode_keys import ModeKeys
 from .programs import as_output, ProgramBase
-from ..progress import logger, progress
 from .spec import check_host_call
 
 __all__ = ["PSTrainProgram", "PS_DIR"]
@@ -66,7 +66,7 @@ class PSTrainProgram(ProgramBase):
         self._model_dir: str | None = None
         self._keep = 3
         self._optimizers: list[Any] = []
-        self._direct: dict[str, Any] | None = None  # lookup ids read from the batch (direct_ids.py)
+        self._direct: dict[str, Any] | None = None  # lookup ids read from the batch (ps_training/direct_ids.py)
         shard_tables(self.store, len(strategy.cluster.ps_addresses), strategy.shard_bytes)
         self.function = self._trace(self._step)
         self.caches = row_caches(self.store)
@@ -140,7 +140,7 @@ class PSTrainProgram(ProgramBase):
 
     def _lookup_ids(self, features: Any, labels: Any) -> dict[str, Any]:
         """The step's lookup ids by output name: read from the batch when they are
-        features as they are (``direct_ids.py``), else from ``ids_function``."""
+        features as they are (``ps_training/direct_ids.py``), else from ``ids_function``."""
         import tensorflow as tf
 
         if self._direct is None:

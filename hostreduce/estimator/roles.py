@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 from ..errors import ClusterError, ConfigError
-from .checkpoint import CheckpointError
-from .checkpointing import with_ps_tables
-from .mode_keys import ModeKeys
-from ..ps_training.roles import serve_and_exit
 from ..progress import logger, progress
+from ..ps_training.roles import serve_and_exit
+from .checkpoint import CheckpointError
 from .summaries import SummaryWriter
 
 __all__ = ["check_can_train", "train_and_evaluate_ps", "DONE_FILE"]
@@ -83,7 +81,7 @@ def evaluate_checkpoints(estimator: Any, eval_spec: Any, max_steps: int | None) 
     if not model_dir:
         raise ConfigError("The evaluator evaluates the checkpoints of `model_dir`: give the Estimator a model_dir. "
                           "Received: model_dir=None")
-    files = estimator._checkpoints
+    files = estimator.checkpoints
     writer = SummaryWriter(os.path.join(model_dir, "eval"))
     done_at_start = _done_step(model_dir)
     last, metrics = -1, None
@@ -112,13 +110,4 @@ def evaluate_checkpoints(estimator: Any, eval_spec: Any, max_steps: int | None) 
 
 def _evaluate(estimator: Any, eval_spec: Any, path: str) -> dict[str, float]:
     """The metrics of the checkpoint in directory ``path``."""
-    dataset = estimator._dataset(eval_spec.input_fn, ModeKeys.EVAL)
-    estimator._program(ModeKeys.EVAL, dataset.element_spec)  # creates the variables
-    step, arrays, _ = estimator._checkpoints.load(path)
-    arrays = with_ps_tables(estimator._checkpoints, step, arrays, [k for k, _ in estimator._store.items()])
-    for key, var in estimator._store.items():
-        if key in arrays:
-            var.assign(arrays[key])
-    estimator._global_step = step
-    progress("Evaluating checkpoint %s (step %d)", path, step)
-    return estimator.evaluate(eval_spec.input_fn, steps=eval_spec.steps)
+    return estimator.evaluate(eval_spec.input_fn, steps=eval_spec.steps, checkpoint_path=path)

@@ -28,7 +28,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..host.kerases import keras_of, optimizer_subclass, underlying_variable
+from ..host.kerases import check_not_xla, keras_of, optimizer_subclass, underlying_variable
 from . import job as _engine
 from .tensors import ReduceOp, reduce_gradients
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..errors import ConfigError, HostReduceError
+from ..errors import ConfigError
 from ..streaming import Collective, exchange
 from . import job as _engine
-from .compression import Compression, engine_wire
-from .arguments import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, check_compression, check_process_set, kind_of,
-                        on_set, resolve_op, scale, tf_tensor)
+from .arguments import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, check_compression, kind_of, on_set, resolve_op,
+                        scale, tf_tensor)
 from .collectives import group_allgather, group_allreduce, group_broadcast
-from .process_sets import ProcessSet, global_process_set, group_of
+from .compression import Compression, engine_wire
+from .process_sets import ProcessSet, global_process_set
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "ProcessSet", "global_process_set",
            "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_variables", "reduce_tensors",
@@ -195,10 +195,10 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
               process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank (shape and dtype equal everywhere)."""
     channel = _engine.channel()
-    on_set = on_set(process_set)
+    subset = on_set(process_set)
     root = _check_root(root_rank, process_set)
     full_name = _engine.collective_name(kind_of("broadcast", process_set), name)
-    if on_set:
+    if subset:
 
         return group_broadcast(tensor, root, full_name, process_set)
     return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
@@ -217,13 +217,13 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
     ``tf.function`` the returned op performs it (as Horovod). ``inplace`` is accepted.
     """
     channel = _engine.channel()
-    on_set = on_set(process_set)
+    subset = on_set(process_set)
     root = _check_root(root_rank, process_set)
     variables = list(variables)
     import tensorflow as tf
 
     base = _engine.collective_name(kind_of("broadcast_variables", process_set), None)
-    if on_set:
+    if subset:
 
         values = [group_broadcast(v, root, f"{base}/{i}", process_set) for i, v in enumerate(variables)]
         assigns = [v.assign(value) for v, value in zip(variables, values)]

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import errors
 from ..errors import ConfigError, PeerLostError
+from ..transport.grpc_options import grpc_options
 from . import checkpoint, wire
 from .calls import CallThreads
 from .handshake import SESSION_KEY, login
@@ -57,7 +58,7 @@ class PSClient:
 
         deadline = time.monotonic() + connect_timeout_s
         for m, addr in enumerate(self.addresses):
-            channel = grpc.insecure_channel(addr, options=wire.channel_options(self.timeout_s))
+            channel = grpc.insecure_channel(addr, options=grpc_options(self.timeout_s))
             self._channels.append(channel)
             token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline)
             self._meta.append(((SESSION_KEY, token),))

@@ -1,5 +1,5 @@
 """Who may talk to a parameter server: the ring's mutual HMAC handshake
-(``reducers/ring/admission.py`` and ``auth.py``), then a session for the connection.
+(``transport/admission.py`` and ``auth.py``), then a session for the connection.
 
 Workers and ps tasks share one id space for the proofs: worker ``r`` is ``r``, ps task
 ``m`` is ``num_workers + m``, so a proof names both ends and a ps's proof cannot pass

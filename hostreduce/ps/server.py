@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, HostReduceError, TensorMismatchError
+from ..transport.grpc_options import grpc_options
 from . import checkpoint, wire
 from .barrier import Contribution, StepBarrier
 from .handshake import Gate
@@ -88,7 +89,7 @@ class ParameterServer:
         addr = self.addresses[self.index]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
-                                   options=wire.channel_options(self.timeout_s))
+                                   options=grpc_options(self.timeout_s))
         handlers = {"Hello": grpc.unary_unary_rpc_method_handler(self.gate.hello),
                     "Login": grpc.unary_unary_rpc_method_handler(self.gate.login)}
         for name in wire.METHODS:

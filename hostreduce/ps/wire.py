@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import WireError
 
-__all__ = ["pack", "unpack", "SERVICE", "METHODS", "channel_options", "WireError"]
+__all__ = ["pack", "unpack", "SERVICE", "METHODS", "WireError"]
 
 SERVICE = "hostreduce.ParameterServer"
 # Every method after the handshake; each takes and returns one packed message.
@@ -70,24 +70,3 @@ def unpack(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
         arrays.append(np.frombuffer(view[pos:pos + size], dtype=dt).reshape(shape))
         pos += size + _pad(size)
     return header, arrays
-
-
-def channel_options(timeout_s: float) -> list[tuple[str, Any]]:
-    """gRPC settings of both ends: no size limits (a dense pull can be large), keepalive
-    pings so a peer that vanished without closing its socket is noticed within about
-    ``timeout_s``, and quick reconnects while a ps starts."""
-    return [
-        ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", max(1000, int(timeout_s * 500))),
-        ("grpc.keepalive_timeout_ms", max(1000, int(timeout_s * 500))),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.enable_retries", 0),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]

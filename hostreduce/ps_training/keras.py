@@ -13,7 +13,7 @@ average the workers' gradients of the step and apply once, as for the Estimator,
 model trains as one process would on the global batch.
 
 A model built inside ``strategy.scope()`` gets, for each table the ps split by rows, a
-row cache (``hostreduce/host/rowcache.py``) instead of a full variable: its lookup
+row cache (``hostreduce/ps_training/rowcache.py``) instead of a full variable: its lookup
 first runs a host op that pulls the looked-up rows into the cache, the gradient's cache
 slots go back to the ps as global row ids, and only the chief ever computes the table's
 initial value. Every other variable travels whole each step, as TensorFlow's own

@@ -15,7 +15,7 @@ own near-equal split (the default ``counts``), and otherwise (min, max, prod, un
 counts, bfloat16: Horovod 0.28's reducescatter has none of them) an all-reduce of which
 each rank keeps its rows; the barrier is a one-element all-reduce. Horovod has no
 point-to-point op: ``send``/``recv`` use mpi4py on Horovod's own MPI library (on a
-duplicate of COMM_WORLD made when the reducer is created; see ``_mpi_p2p.py``).
+duplicate of COMM_WORLD made when the reducer is created; see ``mpi/p2p.py``).
 
 Process groups are Horovod process sets. ``hvd.add_process_set`` and
 ``remove_process_set`` are collective over **every rank of the job**: on this engine
@@ -32,7 +32,7 @@ that does not finish within ``config.timeout_s`` fails with ``CollectiveTimeoutE
 Horovod cannot cancel it, so the reducer is unusable afterwards. Closing the reducer
 does not shut Horovod down (it is process-wide).
 
-Horovod links against its own MPI library (see :mod:`._mpi_select`): start the job with
+Horovod links against its own MPI library (see :mod:`.mpi.select`): start the job with
 ``mpirun_for("horovod")``. mpi4py, imported for send/receive, shares that library.
 Horovod is not on PyPI in a form that builds against current TensorFlow; build it with
 ``scripts/build_horovod.sh``.

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import hccl
 from ..errors import ConfigError
-from .hccl import (all_to_all_v_dynamic, allgather, allreduce, create_group, destroy_group, get_group_rank_from_world_rank,
-                   get_local_rank_id, get_local_rank_size, get_rank_id, get_rank_size, get_world_rank_from_group_rank,
-                   receive, reduce, reduce_scatter, send)
+from . import hccl
+from .hccl import (WORLD_GROUP, all_to_all_v_dynamic, allgather, allreduce, check_fusion, create_group, destroy_group,
+                   get_group_rank_from_world_rank, get_local_rank_id, get_local_rank_size, get_rank_id, get_rank_size,
+                   get_world_rank_from_group_rank, receive, reduce, reduce_scatter, send)
 from ..ops import job as _engine
 from ..ops.compression import Compression
 from ..ops.tensors import Average, Max, Min, Sum, broadcast_variables, reduce_tensors
@@ -34,16 +34,13 @@ from ..ops.tensors import Average, Max, Min, Sum, broadcast_variables, reduce_te
 __all__ = ["broadcast", "all_reduce", "shard_and_rebatch_dataset", "keras_optimizer_wrapper",
            *[n for n in hccl.__all__[1:] if n != "broadcast"]]
 
-WORLD_GROUP = "hccl_world_group"
 _REDUCTIONS = {"mean": Average, "sum": Sum, "max": Max, "min": Min}
 
 
 def _job_size(group: Any, fusion: Any, fusion_id: Any, groups: bool = False) -> int:
     if group != WORLD_GROUP and not groups:
         raise ConfigError(f"`group` must be {WORLD_GROUP!r} here (the whole job). Received: group={group!r}")
-    for argument, value in (("fusion", fusion), ("fusion_id", fusion_id)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"`{argument}` must be an integer. Received: {argument}={value!r}")
+    check_fusion(fusion, fusion_id)
     if not _engine.is_initialized():
         _engine.init()
     return _engine.size() if group == WORLD_GROUP else hccl.get_rank_size(group)

@@ -146,7 +146,9 @@ def _reduction(reduction: Any) -> str:
     return reduction
 
 
-def _fusion(fusion: Any, fusion_id: Any) -> None:
+def check_fusion(fusion: Any, fusion_id: Any) -> None:
+    """``fusion`` and ``fusion_id`` are accepted when they are integers (the engines fuse
+    on their own)."""
     for argument, value in (("fusion", fusion), ("fusion_id", fusion_id)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"`{argument}` must be an integer. Received: {argument}={value!r}")
@@ -167,7 +169,7 @@ def allreduce(tensor: Any, reduction: str, fusion: int = 1, fusion_id: int = -1,
     import tensorflow as tf
 
     op, g = _reduction(reduction), _group(group)
-    _fusion(fusion, fusion_id)
+    check_fusion(fusion, fusion_id)
     tensor = tf.convert_to_tensor(tensor)
     name = _name("allreduce", group)
     return _run("allreduce", lambda r, a: [r.allreduce(name, a[0], op, group=g)], [tensor], [tensor.dtype],
@@ -193,7 +195,7 @@ def broadcast(tensor: Any, root_rank: int, fusion: int = 2, fusion_id: int = 0, 
     import tensorflow as tf
 
     g = _group(group)
-    _fusion(fusion, fusion_id)
+    check_fusion(fusion, fusion_id)
     listed = isinstance(tensor, (list, tuple))
     outs = []
     for t in (tensor if listed else [tensor]):
@@ -209,7 +211,7 @@ def reduce(tensor: Any, reduction: str, root_rank: int, fusion: int = 0, fusion_
     import tensorflow as tf
 
     op, g = _reduction(reduction), _group(group)
-    _fusion(fusion, fusion_id)
+    check_fusion(fusion, fusion_id)
     tensor = tf.convert_to_tensor(tensor)
     name = _name("reduce", group)
 
@@ -227,7 +229,7 @@ def reduce_scatter(tensor: Any, reduction: str, rank_size: int, group: str = WOR
     import tensorflow as tf
 
     op, g = _reduction(reduction), _group(group)
-    _fusion(fusion, fusion_id)
+    check_fusion(fusion, fusion_id)
     _check_rank_size(rank_size, group)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0 or (tensor.shape[0] is not None and tensor.shape[0] % rank_size):
@@ -313,6 +315,9 @@ def _check_rank_size(rank_size: Any, group: str) -> None:
 
 
 def forget_groups() -> None:
-    """At the job's end: group names end with it."""
+    """At the job's end (``shutdown()``): group names end with it."""
     with _lock:
         _groups.clear()
+
+
+_engine.on_shutdown(forget_groups)

@@ -2,7 +2,7 @@
 MPI nonblocking operations driven to completion by the engine's ``wait``.
 
 Reductions run on the wire dtype: float32, float64, int32 and int64 with MPI's
-predefined operations, float16 and bfloat16 in 16 bits with ``_mpi_ops16``'s. ``mean``
+predefined operations, float16 and bfloat16 in 16 bits with ``ops16``'s. ``mean``
 is a sum divided afterwards by the communicator's size (integers: floor division;
 16-bit floats: divided in float32 and rounded once). Data that is only moved
 (broadcast, all-gather, all-to-all) travels as bytes. Collectives whose ranks may pass

@@ -1,7 +1,7 @@
 """The ``mpi`` reducer: collectives over mpi4py on a private duplicate of COMM_WORLD.
 
 One background thread (``_serial.py``) issues the collectives as MPI nonblocking
-operations (``_mpi_collectives.py``), one at a time, in submission order, and drives
+operations (``collectives.py``), one at a time, in submission order, and drives
 each to completion with ``MPI_Test`` under a deadline of ``config.timeout_s``. Like
 plain MPI, this engine matches collectives by their position in the sequence, not by
 name: **every rank of a group must submit the group's collectives in the same order**.
@@ -9,7 +9,7 @@ It does not compare names, shapes or ops across ranks for the reductions and bro
 (a disagreement shows up as an MPI error or as a timeout); all-gather and all-to-all
 exchange shapes first and raise ``TensorMismatchError`` on every rank when the trailing
 dimensions or dtypes disagree, and send/receive compare name, dtype and shape on both
-ends (``_mpi_p2p.py``), on a duplicate communicator of their own. Sends and receives
+ends (``p2p.py``), on a duplicate communicator of their own. Sends and receives
 are started in order on the same thread but finish in the background, so a rank may
 send before it receives.
 
@@ -20,7 +20,7 @@ A collective that times out raises ``CollectiveTimeoutError``; the MPI operation
 be cancelled, so the reducer is unusable afterwards and later collectives fail at once.
 
 float16 and bfloat16 travel in 16 bits and are reduced by a user-defined MPI operation
-that combines two buffers in float32 and rounds back (``_mpi_ops16.py``), so wire
+that combines two buffers in float32 and rounds back (``ops16.py``), so wire
 compression halves the bytes sent; results are bitwise identical on every rank.
 ``mean`` divides the sum by the group's size (integers: floor division). Arrays passed
 in must not be modified until their handle completes.

@@ -27,6 +27,7 @@ import numpy as np
 
 from ...errors import AuthenticationError, ClusterError, PeerLostError
 from ...transport import admission, auth
+from ...transport.grpc_options import grpc_options
 from .grpc_inbound import ABORT, BYE, CTL, DATA, FAILED, SERVICE, Inbound, frame
 from .messages import PeerFailure, encode
 
@@ -41,26 +42,8 @@ _FAREWELL_S = 5.0
 
 
 def _channel_options(timeout_s: float) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 5000),
-        ("grpc.keepalive_timeout_ms", int(max(1.0, timeout_s) * 1000)),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        # Accept the peer's keepalive pings on idle connections instead of closing the
-        # connection with "too many pings" (peers may exchange no data for a long time).
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.enable_retries", 0),
-        # Peers start at different moments: retry a refused connection every 0.1-1 s, not
-        # on gRPC's default backoff (1 s growing to 120 s), so a late peer is seen soon.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.http2.lookahead_bytes", 16 << 20),
-    ]
+    # A 16 MiB flow-control window: the ring streams large chunks to each peer.
+    return grpc_options(timeout_s) + [("grpc.http2.lookahead_bytes", 16 << 20)]
 
 
 class GrpcMesh:

@@ -1,0 +1,38 @@
+"""The gRPC settings of every hostreduce channel and server (the ring's mesh and the
+parameter servers), so that both ends of either service agree on them."""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["grpc_options"]
+
+
+def grpc_options(timeout_s: float) -> list[tuple[str, Any]]:
+    """Options for ``grpc.server`` and ``grpc.insecure_channel`` of a service whose calls
+    wait at most ``timeout_s`` for a peer.
+
+    - No message size limit from gRPC: each service bounds what it accepts itself.
+    - Keepalive pings every ``timeout_s / 2`` (between 1 and 5 s), also on idle
+      connections, so a peer that vanished without closing its socket is noticed; a ping
+      unanswered for ``timeout_s`` (at least 1 s) closes the connection, no sooner than
+      the services' own timeouts would fail a call.
+    - Each end accepts the other's pings at that rate on connections that carry no data
+      (instead of closing them with "too many pings").
+    - A refused connection is retried every 0.1-1 s, not on gRPC's default backoff (1 s
+      growing to 120 s), so that a peer that starts late is seen soon.
+    """
+    return [
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", int(min(5000, max(1000, timeout_s * 500)))),
+        ("grpc.keepalive_timeout_ms", int(max(1.0, timeout_s) * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
