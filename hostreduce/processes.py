@@ -4,7 +4,6 @@ the test harness (``hostreduce.testing``), the tests' script jobs and the benchm
 start their processes on these."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 from typing import Sequence
@@ -60,13 +59,11 @@ def job_tasks(host: str, num_workers: int, num_ps: int = 0, evaluator: bool = Fa
     workers = addresses[:num_workers]
     if not num_ps and not evaluator:
         return [(str(i), format_tf_config(workers, i)) for i in range(num_workers)]
-    cluster = {"worker": workers, "ps": addresses[num_workers:num_workers + num_ps]}
-    if evaluator:
-        cluster["evaluator"] = addresses[-1:]
+    cluster = {"worker": workers, "ps": addresses[num_workers:num_workers + num_ps],
+               "evaluator": addresses[-1:] if evaluator else []}
     tasks = [("worker", i, str(i)) for i in range(num_workers)] + [("ps", m, f"ps{m}") for m in range(num_ps)]
     tasks += [("evaluator", 0, "evaluator")] if evaluator else []
-    return [(label, json.dumps({"cluster": {k: v for k, v in cluster.items() if v}, "task": {"type": t, "index": i}}))
-            for t, i, label in tasks]
+    return [(label, format_tf_config(cluster, i, t)) for t, i, label in tasks]
 
 
 def exit_code(returncode: int) -> int:

@@ -384,3 +384,23 @@ def test_format_tf_config_round_trips_and_names_bad_arguments():
         format_tf_config(addresses, 0, "ps")
     with pytest.raises(ClusterError, match="repeats the address"):
         format_tf_config(["127.0.0.1:1", "localhost:1"], 0)
+
+
+def test_format_tf_config_writes_every_task_type_of_a_ps_job():
+    """The whole cluster (chief, workers, ps, evaluator) in, one task's TF_CONFIG out; an
+    unknown task type, an address twice in the job and an index past the type's tasks are
+    refused naming the argument."""
+    from hostreduce.cluster import format_tf_config
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"], "ps": ["127.0.0.1:4"],
+               "evaluator": ["127.0.0.1:5"]}
+    for task_type, where in cluster.items():
+        for index in range(len(where)):
+            assert json.loads(format_tf_config(cluster, index, task_type)) == {
+                "cluster": cluster, "task": {"type": task_type, "index": index}}
+    with pytest.raises(ClusterError, match="`addresses` must map task types .* Received: task type 'master'"):
+        format_tf_config({"master": ["127.0.0.1:1"]}, 0, "master")
+    with pytest.raises(ClusterError, match="repeats the address"):
+        format_tf_config({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:1"]}, 0)
+    with pytest.raises(ClusterError, match=r"`index` must be an integer in \[0, 1\). Received: index=1"):
+        format_tf_config(cluster, 1, "ps")

@@ -334,15 +334,32 @@ def parse_tf_config(raw: str, *, roles: bool = False) -> ClusterSpec:
     return spec_from_cluster(config["cluster"], task["type"], task["index"], roles=roles)
 
 
-def format_tf_config(addresses: Sequence[str], index: int, task_type: str = "worker") -> str:
-    """The ``TF_CONFIG`` JSON of task ``index`` of ``task_type`` in a cluster whose
-    ``task_type`` tasks are at ``addresses`` (what :func:`parse_tf_config` reads back)."""
-    if task_type not in RING_TASK_TYPES:
-        raise ClusterError(f"`task_type` must be one of {RING_TASK_TYPES}. Received: task_type={task_type!r}")
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(addresses):
-        raise ClusterError(f"`index` must be an integer in [0, {len(addresses)}). Received: index={index!r}")
-    return json.dumps({"cluster": {task_type: list(check_addresses(addresses))},
-                       "task": {"type": task_type, "index": index}})
+def format_tf_config(addresses: Sequence[str] | Mapping[str, Sequence[str]], index: int,
+                     task_type: str = "worker") -> str:
+    """The ``TF_CONFIG`` JSON of task ``index`` of ``task_type`` (what
+    :func:`parse_tf_config` reads back).
+
+    ``addresses`` is either the addresses of the ``task_type`` tasks (a cluster of
+    workers, or of one chief) or the whole cluster, task type -> addresses, with any of
+    ``chief``, ``worker``, ``ps`` and ``evaluator``: a parameter-server job.
+    """
+    if isinstance(addresses, Mapping):
+        allowed, cluster = TASK_TYPES, {}
+        for kind, where in addresses.items():
+            if kind not in TASK_TYPES:
+                raise ClusterError(f"`addresses` must map task types {TASK_TYPES} to addresses. "
+                                   f"Received: task type {kind!r}")
+            if where:
+                cluster[kind] = list(check_addresses(where))
+        check_addresses([a for where in cluster.values() for a in where])  # no address twice in the job
+    else:
+        allowed, cluster = RING_TASK_TYPES, {task_type: list(check_addresses(addresses))}
+    if task_type not in allowed:
+        raise ClusterError(f"`task_type` must be one of {allowed}. Received: task_type={task_type!r}")
+    mine = cluster.get(task_type, [])
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(mine):
+        raise ClusterError(f"`index` must be an integer in [0, {len(mine)}). Received: index={index!r}")
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
 
 
 def cluster_from_resolver(resolver: Any, *, roles: bool = False) -> ClusterSpec:
