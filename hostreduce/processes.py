@@ -1,17 +1,20 @@
 """Local processes of a job: free ports, the ``TF_CONFIG`` of every task of a job on one
-host, and how a process's end reads as an exit status. The launcher (``hostreduce run``),
-the test harness (``hostreduce.testing``), the tests' script jobs and the benchmarks
-start their processes on these."""
+host, how a process's end reads as an exit status, and stopping a job's process groups.
+The launcher (``hostreduce run``), the test harness (``hostreduce.testing``), the tests'
+script jobs and the benchmarks start and stop their processes with these."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
-from typing import Sequence
+import subprocess
+import time
+from typing import Iterable, Sequence
 
 from .cluster import format_tf_config
 from .errors import ConfigError
 
-__all__ = ["free_ports", "format_address", "tf_config", "job_tasks", "exit_code", "alive"]
+__all__ = ["free_ports", "format_address", "tf_config", "job_tasks", "exit_code", "alive", "stop_groups"]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -72,11 +75,45 @@ def exit_code(returncode: int) -> int:
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (also when it belongs to another user)."""
+    """Whether process ``pid`` is running (also when it belongs to another user); a
+    zombie, dead but not yet reaped, is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass
-    return True
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def stop_groups(procs: Iterable[subprocess.Popen], pids: Iterable[int] = (), grace_s: float = 3.0) -> None:
+    """Stop every process of a job: SIGTERM to the process group of each of ``procs``
+    (started with ``start_new_session=True``) and to ``pids`` (processes that may live in
+    other groups), then SIGKILL to what is still alive after ``grace_s``; reaps ``procs``."""
+    procs, pids = list(procs), set(pids)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (any(p.poll() is None for p in procs) or any(map(alive, pids))):
+            time.sleep(0.05)
+        if all(p.poll() is not None for p in procs) and not any(map(alive, pids)):
+            break
+    for p in procs:
+        try:
+            p.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
