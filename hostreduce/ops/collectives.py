@@ -18,8 +18,14 @@ from .compression import Compression
 from .arguments import check_compression, kind_of, resolve_op, scale
 from .process_sets import global_process_set, group_of
 
-__all__ = ["reducescatter", "grouped_reducescatter", "alltoall", "group_allreduce", "group_allgather",
+__all__ = ["on_host", "reducescatter", "grouped_reducescatter", "alltoall", "group_allreduce", "group_allgather",
            "group_broadcast"]
+
+
+def on_host(label: str, run: Any, inputs: list[Any], dtypes: list[Any], shapes: list[Any]) -> list[Any]:
+    """``run(reducer, arrays) -> arrays`` as one host op on the job's engine (every
+    face's collectives that are not gradient reductions go through here)."""
+    return host_collective(_engine.channel(), label, run, inputs, dtypes, shapes)
 
 
 def _size_of(group: Any) -> int:
@@ -35,7 +41,6 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     import tensorflow as tf
 
 
-    channel = _engine.channel()
     group = group_of(process_set)
     check_compression(compression)
     rop = resolve_op(op)
@@ -44,7 +49,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     if tensor.shape.rank == 0:
         raise ConfigError(f"`tensor` must have at least one dimension to be scattered. Received: shape={tensor.shape}")
     wire, ctx = compression.compress(scale(tensor, prescale_factor, "prescale_factor"))
-    out = host_collective(channel, f"reducescatter {full}",
+    out = on_host(f"reducescatter {full}",
                           lambda r, a: [r.reduce_scatter(full, a[0], rop.engine_op, group=group).copy()
                                         .reshape((-1,) + a[0].shape[1:])],
                           [wire], [wire.dtype], [tf.TensorShape([None]).concatenate(tensor.shape[1:])])[0]
@@ -69,7 +74,6 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     received splits, as Horovod."""
     import tensorflow as tf
 
-    channel = _engine.channel()
     group = group_of(process_set)
     full = _engine.collective_name(kind_of("alltoall", process_set), name)
     tensor = tf.convert_to_tensor(tensor)
@@ -77,7 +81,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
         raise ConfigError(f"`tensor` must have at least one dimension. Received: shape={tensor.shape}")
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
     if splits is None:
-        return host_collective(channel, f"alltoall {full}",
+        return on_host(f"alltoall {full}",
                                lambda r, a: [r.alltoall(full, a[0], group=group)[0]],
                                [tensor], [tensor.dtype], [shape])[0]
     splits_t = tf.cast(tf.convert_to_tensor(splits), tf.int32)
@@ -86,7 +90,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
         received, counts = r.alltoall(full, a[0], [int(s) for s in a[1].reshape(-1)], group=group)
         return [received, np.asarray(counts, np.int32)]
 
-    out, received = host_collective(channel, f"alltoall {full}", run, [tensor, splits_t], [tensor.dtype, tf.int32],
+    out, received = on_host(f"alltoall {full}", run, [tensor, splits_t], [tensor.dtype, tf.int32],
                                     [shape, tf.TensorShape([_size_of(group)])])
     return out, received
 
@@ -95,10 +99,9 @@ def group_allreduce(tensor: Any, rop: Any, name: str, process_set: Any) -> Any:
     """All-reduce on a process set other than the whole job."""
     import tensorflow as tf
 
-    channel = _engine.channel()
     group = group_of(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    return host_collective(channel, f"allreduce {name}", lambda r, a: [r.allreduce(name, a[0], rop.engine_op,
+    return on_host(f"allreduce {name}", lambda r, a: [r.allreduce(name, a[0], rop.engine_op,
                                                                                   group=group)],
                            [tensor], [tensor.dtype], [tensor.shape])[0]
 
@@ -106,11 +109,10 @@ def group_allreduce(tensor: Any, rop: Any, name: str, process_set: Any) -> Any:
 def group_allgather(tensor: Any, name: str, process_set: Any) -> Any:
     import tensorflow as tf
 
-    channel = _engine.channel()
     group = group_of(process_set)
     tensor = tf.convert_to_tensor(tensor)
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:]) if tensor.shape.rank else tf.TensorShape([None])
-    return host_collective(channel, f"allgather {name}", lambda r, a: [r.allgather(name, a[0], group=group)],
+    return on_host(f"allgather {name}", lambda r, a: [r.allgather(name, a[0], group=group)],
                            [tensor], [tensor.dtype], [shape])[0]
 
 
@@ -118,9 +120,8 @@ def group_broadcast(tensor: Any, root_rank: int, name: str, process_set: Any) ->
     """Broadcast within a set; ``root_rank`` is a rank of the set."""
     import tensorflow as tf
 
-    channel = _engine.channel()
     group = group_of(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    return host_collective(channel, f"broadcast {name}",
+    return on_host(f"broadcast {name}",
                            lambda r, a: [r.broadcast(name, a[0], root=root_rank, group=group)],
                            [tensor], [tensor.dtype], [tensor.shape])[0]

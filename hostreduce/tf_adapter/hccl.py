@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError, TensorMismatchError
 from ..ops import job as _engine
+from ..ops.collectives import on_host
 
 __all__ = ["WORLD_GROUP", "create_group", "destroy_group", "get_rank_size", "get_local_rank_size", "get_rank_id",
            "get_local_rank_id", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
@@ -155,10 +156,7 @@ def check_fusion(fusion: Any, fusion_id: Any) -> None:
 
 
 def _run(kind: str, run: Any, inputs: list[Any], dtypes: list[Any], shapes: list[Any]) -> list[Any]:
-    from ..streaming.host_collective import host_collective
-
-    channel = _engine.channel()
-    return host_collective(channel, f"hccl {kind}", run, inputs, dtypes, shapes)
+    return on_host(f"hccl {kind}", run, inputs, dtypes, shapes)
 
 
 def _name(kind: str, group: Any) -> str:
