@@ -254,6 +254,7 @@ def rank_main(rank: int, size: int, with_streaming: bool = False, with_errors: b
 def main(out_dir: str) -> None:
     """Under mpirun: the ops and the trainings; results to OUT_DIR/rank{r}.npz."""
     import hostreduce.horovod as hvd
+    from hostreduce.ops import job as _job
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -263,7 +264,7 @@ def main(out_dir: str) -> None:
         for i, w in enumerate(train(rank, size, optimizer, sparse_as_dense)):
             arrays[f"{optimizer}_{int(sparse_as_dense)}_{i}"] = w
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
-    print(f"RESULT rank {rank}/{size}: engine={hvd._engine.job().strategy.reducer_name} ok", flush=True)
+    print(f"RESULT rank {rank}/{size}: engine={_job.job().strategy.reducer_name} ok", flush=True)
     hvd.shutdown()
 
 
