@@ -271,8 +271,6 @@ class ParameterServerStrategy(Strategy):
         self.shard_bytes, self.sparse, self._timeout_s = shard_bytes, sparse, timeout_s
         self.cluster_resolver = cluster_resolver
         self._job: Any = None
-        self._keras_exchange: Any = None  # the Keras face's tie to the ps (hostreduce/ps_training/keras.py)
-        self._keras_lookups: Any = None
 
     def _resolve_cluster(self) -> Any:
         from .cluster import cluster_from_resolver, resolve_cluster

@@ -70,6 +70,7 @@ def test_a_table_looked_up_twice_in_a_step_is_refused_naming_it(monkeypatch: pyt
 
     import hostreduce
     from hostreduce.errors import SpecError
+    from hostreduce.ps_training.keras import release_lookups
     from ps_helpers import LocalCluster
 
     ps = LocalCluster(2, 1)
@@ -88,5 +89,5 @@ def test_a_table_looked_up_twice_in_a_step_is_refused_naming_it(monkeypatch: pyt
             model.fit(data.batch(2), epochs=1, verbose=0, shuffle=False)
     finally:
         strategy.job.end("test over")
-        strategy._keras_lookups.close()  # the lookup route this process kept for its Keras steps
+        release_lookups(strategy)  # the lookup route this process kept for its Keras steps
         ps.stop()

@@ -22,6 +22,7 @@ initial value. Every other variable travels whole each step, as TensorFlow's own
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -29,7 +30,26 @@ import numpy as np
 from ..errors import ClusterError, ConfigError, SpecError
 from .rowcache import is_row_cache, row_caches, shard_tables
 
-__all__ = ["keras_optimizer", "variable_scope", "pull_variables"]
+__all__ = ["keras_optimizer", "variable_scope", "pull_variables", "release_lookups"]
+
+
+class _StrategyState:
+    """What the Keras face keeps per strategy: its tie to the ps once the optimizer has
+    connected (``exchange``), and the routing of Keras lookups to row caches (``lookups``)."""
+
+    def __init__(self) -> None:
+        self.exchange: Any = None
+        self.lookups: contextlib.ExitStack | None = None
+
+
+_states: "weakref.WeakKeyDictionary[Any, _StrategyState]" = weakref.WeakKeyDictionary()
+
+
+def _state(strategy: Any) -> _StrategyState:
+    state = _states.get(strategy)
+    if state is None:
+        state = _states[strategy] = _StrategyState()
+    return state
 
 
 def _cache(variable: Any) -> Any:
@@ -68,7 +88,7 @@ class _Exchange:
         for key, variable in zip(self.keys, variables):
             if key in values:
                 variable.assign(values[key])
-        strategy._keras_exchange = self
+        _state(strategy).exchange = self
 
     @property
     def dense_keys(self) -> list[str]:
@@ -215,11 +235,12 @@ def variable_scope(strategy: Any) -> Iterator[None]:
     caches = row_caches(store)
     for cache in caches.values():  # traced before the optimizer connects the job
         cache.step_fill = lambda ids, cache=cache: _connected(strategy).fill(cache, ids)
-    if caches and strategy._keras_lookups is None:
+    state = _state(strategy)
+    if caches and state.lookups is None:
         # Lookups in the train step, traced later, must read the caches' rows (Keras 3's
         # take reads a variable whole): kept for the life of the process, on this thread.
-        strategy._keras_lookups = contextlib.ExitStack()
-        strategy._keras_lookups.enter_context(_take_rows())
+        state.lookups = contextlib.ExitStack()
+        state.lookups.enter_context(_take_rows())
 
 
 @contextlib.contextmanager
@@ -236,8 +257,17 @@ def _take_rows() -> Iterator[None]:
         yield
 
 
+def release_lookups(strategy: Any) -> None:
+    """Stop routing Keras lookups to ``strategy``'s row caches (a process keeps the route
+    for its life once a model was built in the strategy's scope)."""
+    state = _states.get(strategy)
+    if state is not None and state.lookups is not None:
+        state.lookups.close()
+        state.lookups = None
+
+
 def _connected(strategy: Any) -> _Exchange:
-    exchange = strategy._keras_exchange
+    exchange = _state(strategy).exchange
     if exchange is None:
         raise ConfigError("A model built in `ParameterServerStrategy.scope()` reads its tables from the parameter "
                           "servers: compile it with `strategy.keras_optimizer(...)` and train it first")
