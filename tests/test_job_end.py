@@ -192,7 +192,7 @@ def test_exit_hook_runs_before_the_thread_pools_are_joined_and_closes_live_reduc
     import concurrent.futures.thread as cft
     import threading
 
-    from hostreduce.reducers import base
+    from hostreduce.reducers import job_end
 
     kept, ended, failed = _Recorder.make(), _Recorder.make(), _Recorder.make()
     ended.close()
@@ -203,11 +203,11 @@ def test_exit_hook_runs_before_the_thread_pools_are_joined_and_closes_live_reduc
     # threading runs these in reverse order: ours must come after the pools' join in the list.
     assert names.index("_close_live_at_exit") > names.index(cft._python_exit.__name__), names
     monkeypatch.delattr(sys, "last_value", raising=False)
-    base._close_live_at_exit()
+    job_end._close_live_at_exit()
     assert kept.how == ["close"] and ended.how == ["close"] and failed.how == ["abort: ValueError: boom"]
     again = _Recorder.make()
     monkeypatch.setattr(sys, "last_value", KeyError("k"), raising=False)
-    base._close_live_at_exit()
+    job_end._close_live_at_exit()
     assert again.how == ["abort: KeyError: 'k'"] and kept.how == ["close"]
 
 
