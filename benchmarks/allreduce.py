@@ -87,7 +87,6 @@ def _warmups(nbytes: int, quick: bool) -> int:
     return 5 if quick else 20
 
 
-
 def worker_main(args: argparse.Namespace) -> int:
     return jobs.run_worker(args, lambda plan, workdir: _measure(args.worker, plan, workdir))
 
