@@ -72,25 +72,22 @@ Results: ``<out>/<name>.json`` and ``<out>/<name>.png`` (``--name``, default
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import resource
-import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as C  # noqa: E402
-from benchmarks import netcluster as NC  # noqa: E402
+from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
+from benchmarks.harness.measure import parse_list  # noqa: E402
+from benchmarks.impls.training import example_module, host_adam_model_fn, tf_ring_strategy, tf_threads  # noqa: E402
 
 FIT_IMPLS = ("keras-ring", "keras-ring-device", "keras-mpi", "keras-tf", "keras-horovod")
 IMPLS = ("ring", "mpi", "tf", "horovod") + FIT_IMPLS
@@ -100,9 +97,13 @@ IMPLS = ("ring", "mpi", "tf", "horovod") + FIT_IMPLS
 PATH_OF = {"ring": "estimator", "mpi": "estimator", "tf": "keras", "horovod": "keras", "keras-ring": "fit",
            "keras-ring-device": "fit", "keras-mpi": "fit", "keras-tf": "fit", "keras-horovod": "fit-tf_keras"}
 PATHS = ("estimator", "keras", "fit", "fit-tf_keras")
-# hostreduce's engines under mpirun, and Horovod's own, each started by the mpirun of its MPI library.
-MPIRUN_OF = {"mpi": "mpi", "keras-mpi": "mpi", "horovod": "horovod", "keras-horovod": "horovod"}
-RING_IMPLS = ("ring", "keras-ring", "keras-ring-device")
+# How each implementation's workers are started: hostreduce's ring with TF_CONFIG; its MPI engine
+# (keras-mpi: hostreduce.horovod.keras on HOSTREDUCE_REDUCER=mpi) and Horovod (keras-horovod in
+# tf_keras: its Keras bindings need it) under the mpirun of their MPI library; the baselines alone.
+PEER_OF = {"ring": peers.HOSTREDUCE_RING, "mpi": peers.HOSTREDUCE_MPI, "tf": peers.TF_COLLECTIVE,
+           "horovod": peers.HOROVOD, "keras-ring": peers.HOSTREDUCE_RING, "keras-ring-device": peers.HOSTREDUCE_RING,
+           "keras-mpi": peers.HOSTREDUCE_MPI.with_env(HOSTREDUCE_REDUCER="mpi"), "keras-tf": peers.TF_COLLECTIVE,
+           "keras-horovod": peers.HOROVOD.with_env(TF_USE_LEGACY_KERAS="1"), "single": peers.INDEPENDENT}
 DEFAULT_NP = [2, 4]
 DEFAULT_NETWORKS = ["loopback", "1gbit"]
 NETWORK_IMPLS = {"loopback": IMPLS, "cluster": ("ring", "tf", "keras-ring", "keras-ring-device", "keras-tf")}
@@ -110,7 +111,6 @@ MODELS = ("mnist", "large", "resnet")
 # The ResNet trains through model.fit only (its batch normalization needs training=True,
 # which the Estimator's model_fn and the custom loop here do not pass).
 MODELS_OF = {impl: MODELS if impl in FIT_IMPLS else ("mnist", "large") for impl in IMPLS + ("single",)}
-PORT = 29500
 LEARNING_RATE = 1e-3
 LARGE = {"input": 1024, "hidden": 1792, "layers": 8, "classes": 1000}
 INPUT_SHAPE = {"mnist": (64,), "large": (LARGE["input"],), "resnet": (32, 32, 3)}
@@ -140,13 +140,8 @@ IMPL_DETAILS = {
 
 
 def _mnist_example() -> Any:
-    """The example's module (its ``model_fn`` and data loader)."""
-    path = str(C.REPO_ROOT / "examples" / "mnist")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import train  # examples/mnist/train.py
-
-    return train
+    """The example's module (its ``model_fn`` and data loader): examples/mnist/train.py."""
+    return example_module("mnist", "train")
 
 
 def _data(model: str, per_worker: int, rank: int, size: int, batches: int = 4) -> tuple[Any, Any]:
@@ -191,22 +186,8 @@ def _keras_model(model: str, keras: Any = None, large_hidden: int = LARGE["hidde
                             + [keras.layers.Dense(LARGE["classes"])])
 
 
-def _large_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
-    import keras
-    import tensorflow as tf
-
-    from hostreduce.estimator import EstimatorSpec, compute_gradients
-
-    model = _keras_model("large", large_hidden=params["large_hidden"])
-    logits = model(features)
-    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-    optimizer = keras.optimizers.Adam(params["learning_rate"])
-    grads = compute_gradients(loss, model.trainable_variables)
-
-    def host_model_fn(*reduced: Any) -> None:
-        optimizer.apply_gradients(zip(reduced, model.trainable_variables))
-
-    return EstimatorSpec(mode, loss=loss, train_op=tf.identity(loss), host_call=(host_model_fn, grads))
+_large_model_fn = host_adam_model_fn(lambda params: _keras_model("large", large_hidden=params["large_hidden"]),
+                                     lambda params: params["learning_rate"])
 
 
 # =========================================================================== worker: the two code paths
@@ -401,173 +382,106 @@ def _file_barrier(workdir: Path, tag: str, rank: int, size: int, timeout_s: floa
         time.sleep(0.02)
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    plan = json.loads(Path(args.plan).read_text())
-    workdir = Path(args.workdir)
-    impl = args.impl
-    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
-    rank_hint = int(os.environ.get("OMPI_COMM_WORLD_RANK", args.rank))
-    (workdir / f"pid.{rank_hint}").write_text(str(os.getpid()))
-    try:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        import tensorflow as tf
+def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tf_threads(plan)
+    records = []
+    if impl in ("ring", "mpi"):
+        from hostreduce.strategies import HorovodStrategy, MultiWorkerStrategy
 
-        tf.config.threading.set_intra_op_parallelism_threads(plan["intra_op_threads"])
-        tf.config.threading.set_inter_op_parallelism_threads(plan["inter_op_threads"])
-        records = []
-        if impl in ("ring", "mpi"):
-            from hostreduce.strategies import HorovodStrategy, MultiWorkerStrategy
-
-            strategy = MultiWorkerStrategy() if impl == "ring" else HorovodStrategy(reducer="mpi")
-            rank, size = strategy.rank, strategy.size
-            strategy.reducer  # connect
-            for model, batch in plan["workloads"]:
-                strategy.reducer.barrier()
-                records.append((model, batch, "estimator", *_estimator_steps(strategy, model, batch, plan, rank, size)))
+        strategy = MultiWorkerStrategy() if impl == "ring" else HorovodStrategy(reducer="mpi")
+        rank, size = strategy.rank, strategy.size
+        strategy.reducer  # connect
+        for model, batch in plan["workloads"]:
             strategy.reducer.barrier()
-            strategy.close()
-        elif impl == "tf":
-            options = tf.distribute.experimental.CommunicationOptions(
-                implementation=tf.distribute.experimental.CommunicationImplementation.RING)
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-            resolver = strategy.cluster_resolver
-            rank, size = resolver.task_id, strategy.num_replicas_in_sync
-            for model, batch in plan["workloads"]:
-                records.append((model, batch, "keras", *_keras_steps("tf", model, batch, plan, rank, size,
-                                                                     strategy=strategy)))
-        elif impl == "horovod":
-            import horovod.tensorflow as hvd
+            records.append((model, batch, "estimator", *_estimator_steps(strategy, model, batch, plan, rank, size)))
+        strategy.reducer.barrier()
+        strategy.close()
+    elif impl == "tf":
+        strategy = tf_ring_strategy()
+        rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+        for model, batch in plan["workloads"]:
+            records.append((model, batch, "keras", *_keras_steps("tf", model, batch, plan, rank, size,
+                                                                 strategy=strategy)))
+    elif impl == "horovod":
+        import horovod.tensorflow as hvd
 
-            hvd.init()
-            rank, size = hvd.rank(), hvd.size()
-            for model, batch in plan["workloads"]:
-                records.append((model, batch, "keras", *_keras_steps("horovod", model, batch, plan, rank, size,
-                                                                     hvd=hvd)))
-            hvd.shutdown()
-        elif impl in ("keras-ring", "keras-ring-device", "keras-mpi"):
-            # TF_CONFIG (keras-ring*: the ring) or mpirun (keras-mpi: HOSTREDUCE_REDUCER=mpi).
-            import hostreduce.horovod.keras as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        for model, batch in plan["workloads"]:
+            records.append((model, batch, "keras", *_keras_steps("horovod", model, batch, plan, rank, size,
+                                                                 hvd=hvd)))
+        hvd.shutdown()
+    elif impl in ("keras-ring", "keras-ring-device", "keras-mpi"):
+        # TF_CONFIG (keras-ring*: the ring) or mpirun (keras-mpi: HOSTREDUCE_REDUCER=mpi).
+        import hostreduce.horovod.keras as hvd
 
-            hvd.init()
-            rank, size = hvd.rank(), hvd.size()
-            for model, batch in plan["workloads"]:
-                steps, facts = _fit_steps("hostreduce", model, batch, plan, rank, size, hvd=hvd,
-                                          on_host=impl != "keras-ring-device")
-                records.append((model, batch, "fit", steps, facts))
-            hvd.shutdown()
-        elif impl == "keras-tf":
-            options = tf.distribute.experimental.CommunicationOptions(
-                implementation=tf.distribute.experimental.CommunicationImplementation.RING)
-            strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-            rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
-            # Keras 3 first; where its fit fails under this strategy (keras-team/keras#20585),
-            # tf_keras, in the same job (the failure comes before any collective).
-            legacy, keras3_error = os.environ.get("TF_USE_LEGACY_KERAS") == "1", None
-            for model, batch in plan["workloads"]:
-                try:
-                    steps, facts = _fit_steps("tf", model, batch, plan, rank, size, legacy=legacy, strategy=strategy)
-                except _FitFailed as exc:
-                    if legacy:
-                        raise
-                    legacy, keras3_error = True, str(exc)
-                    steps, facts = _fit_steps("tf", model, batch, plan, rank, size, legacy=True, strategy=strategy)
-                if keras3_error:
-                    facts["keras3_error"] = keras3_error
-                records.append((model, batch, "fit-tf_keras" if legacy else "fit", steps, facts))
-        elif impl == "keras-horovod":
-            # Horovod's Keras bindings need tf_keras (TF_USE_LEGACY_KERAS=1, set by the coordinator):
-            # they call Variable.ref(), which Keras 3 variables lack.
-            import horovod.tensorflow.keras as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        for model, batch in plan["workloads"]:
+            steps, facts = _fit_steps("hostreduce", model, batch, plan, rank, size, hvd=hvd,
+                                      on_host=impl != "keras-ring-device")
+            records.append((model, batch, "fit", steps, facts))
+        hvd.shutdown()
+    elif impl == "keras-tf":
+        strategy = tf_ring_strategy()
+        rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+        # Keras 3 first; where its fit fails under this strategy (keras-team/keras#20585),
+        # tf_keras, in the same job (the failure comes before any collective).
+        legacy, keras3_error = os.environ.get("TF_USE_LEGACY_KERAS") == "1", None
+        for model, batch in plan["workloads"]:
+            try:
+                steps, facts = _fit_steps("tf", model, batch, plan, rank, size, legacy=legacy, strategy=strategy)
+            except _FitFailed as exc:
+                if legacy:
+                    raise
+                legacy, keras3_error = True, str(exc)
+                steps, facts = _fit_steps("tf", model, batch, plan, rank, size, legacy=True, strategy=strategy)
+            if keras3_error:
+                facts["keras3_error"] = keras3_error
+            records.append((model, batch, "fit-tf_keras" if legacy else "fit", steps, facts))
+    elif impl == "keras-horovod":
+        # Horovod's Keras bindings need tf_keras (TF_USE_LEGACY_KERAS=1, set by the coordinator):
+        # they call Variable.ref(), which Keras 3 variables lack.
+        import horovod.tensorflow.keras as hvd
 
-            if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-                raise RuntimeError("keras-horovod runs under tf_keras: set TF_USE_LEGACY_KERAS=1")
-            hvd.init()
-            rank, size = hvd.rank(), hvd.size()
-            for model, batch in plan["workloads"]:
-                steps, facts = _fit_steps("horovod", model, batch, plan, rank, size, legacy=True, hvd=hvd)
-                records.append((model, batch, "fit-tf_keras", steps, facts))
-            hvd.shutdown()
-        else:  # single: N independent processes, no communication
-            from hostreduce.strategies import SingleProcessStrategy
+        if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+            raise RuntimeError("keras-horovod runs under tf_keras: set TF_USE_LEGACY_KERAS=1")
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        for model, batch in plan["workloads"]:
+            steps, facts = _fit_steps("horovod", model, batch, plan, rank, size, legacy=True, hvd=hvd)
+            records.append((model, batch, "fit-tf_keras", steps, facts))
+        hvd.shutdown()
+    else:  # single: N independent processes, no communication
+        from hostreduce.strategies import SingleProcessStrategy
 
-            rank, size = args.rank, plan["independent"]
-            for model, batch in plan["workloads"]:
-                for path in plan["paths"]:
-                    if model not in MODELS_OF["single"] and path in ("estimator", "keras"):
-                        continue
-                    _file_barrier(workdir, f"{model}.{batch}.{path}", rank, size)
-                    if path == "estimator":
-                        steps, facts = _estimator_steps(SingleProcessStrategy(), model, batch, plan, 0, 1)
-                    elif path == "keras":
-                        steps, facts = _keras_steps("single", model, batch, plan, 0, 1)
-                    else:
-                        steps, facts = _fit_steps("single", model, batch, plan, 0, 1, legacy=path == "fit-tf_keras")
-                    records.append((model, batch, path, steps, facts))
-            size = 1
-        with open(workdir / f"rank{rank}.jsonl", "a") as out:
-            for model, batch, path, steps, facts in records:
-                out.write(json.dumps({"kind": "steps", "impl": impl, "model": model, "path": path, "rank": rank,
-                                      "size": size, "per_worker_batch": batch,
-                                      "step_ms": [round(s * 1e3, 3) for s in steps], **facts}) + "\n")
-    except BaseException as exc:
-        (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
-        return 3
-    faulthandler.cancel_dump_traceback_later()
-    return 0
+        rank, size = rank_arg, plan["independent"]
+        for model, batch in plan["workloads"]:
+            for path in plan["paths"]:
+                if model not in MODELS_OF["single"] and path in ("estimator", "keras"):
+                    continue
+                _file_barrier(workdir, f"{model}.{batch}.{path}", rank, size)
+                if path == "estimator":
+                    steps, facts = _estimator_steps(SingleProcessStrategy(), model, batch, plan, 0, 1)
+                elif path == "keras":
+                    steps, facts = _keras_steps("single", model, batch, plan, 0, 1)
+                else:
+                    steps, facts = _fit_steps("single", model, batch, plan, 0, 1, legacy=path == "fit-tf_keras")
+                records.append((model, batch, path, steps, facts))
+        size = 1
+    with open(workdir / f"rank{rank}.jsonl", "a") as out:
+        for model, batch, path, steps, facts in records:
+            out.write(json.dumps({"kind": "steps", "impl": impl, "model": model, "path": path, "rank": rank,
+                                  "size": size, "per_worker_batch": batch,
+                                  "step_ms": [round(s * 1e3, 3) for s in steps], **facts}) + "\n")
 
 
 # =========================================================================== coordinator
 
 
-def _worker_argv(impl: str, plan_path: Path, workdir: Path, rank: int | None) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--plan", str(plan_path),
-            "--workdir", str(workdir)]
-    return argv + (["--rank", str(rank)] if rank is not None else [])
-
-
-def _common_env() -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-
-
-def _job(impl: str, n: int, cluster: NC.NetCluster | None, plan_path: Path, workdir: Path,
-         timeout_s: float) -> C.WorkerJob:
-    common = _common_env()
-    name = f"{impl}-np{n}"
-    if impl == "keras-mpi":
-        common["HOSTREDUCE_REDUCER"] = "mpi"  # hostreduce's MPI engine, not Horovod's core ops
-    if impl == "keras-horovod":
-        common["TF_USE_LEGACY_KERAS"] = "1"  # Horovod's Keras bindings need tf_keras
-    if impl in MPIRUN_OF:
-        from hostreduce.reducers.mpi.select import mpirun_command
-
-        exports = [a for k in common for a in ("-x", k)]
-        argv = mpirun_command(MPIRUN_OF[impl], n, _worker_argv(impl, plan_path, workdir, None), extra=exports)
-        return C.WorkerJob(name, [argv], [common], workdir, timeout_s)
-    if impl == "single":
-        return C.WorkerJob(name, [_worker_argv(impl, plan_path, workdir, r) for r in range(n)],
-                           [common] * n, workdir, timeout_s)
-    secret = {"HOSTREDUCE_SECRET": secrets.token_hex(16)} if impl in RING_IMPLS else {}
-    if cluster is None:
-        addresses = [f"127.0.0.1:{p}" for p in C.free_ports(n)]
-        envs = [{**common, **secret, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(n)]
-        argvs = [_worker_argv(impl, plan_path, workdir, r) for r in range(n)]
-    else:
-        extra = {"HOSTREDUCE_TRANSPORT": "grpc"} if impl in RING_IMPLS else {}
-        envs = [{**common, **secret, **extra, **cluster.worker_env(r, PORT)} for r in range(n)]
-        argvs = [cluster.exec_argv(r, _worker_argv(impl, plan_path, workdir, r)) for r in range(n)]
-    return C.WorkerJob(name, argvs, envs, workdir, timeout_s)
-
-
-def _collect(workdir: Path) -> list[dict]:
-    recs = []
-    for f in sorted(workdir.glob("rank*.jsonl")):
-        recs += [r for r in C.read_jsonl(f) if r.get("kind") == "steps"]
-    return recs
-
-
-def _run(network: str, impl: str, n: int, cluster: NC.NetCluster | None, plan: dict, workroot: Path,
-         result: dict, timeout_s: float, extra_info: dict | None = None) -> list[dict]:
+def _run(network: str, impl: str, n: int, where: Any, plan: dict, workroot: Path, result: dict, timeout_s: float,
+         extra_info: dict | None = None) -> list[dict]:
     """One job; returns its per-rank records (none, without running, when no model is
     measured for ``impl`` at ``n``)."""
     workloads = _job_workloads(plan, network, impl, n)
@@ -576,38 +490,25 @@ def _run(network: str, impl: str, n: int, cluster: NC.NetCluster | None, plan: d
     if any(model == "resnet" for model, _ in workloads):  # its first step traces for tens of seconds per worker
         timeout_s += RESNET_EXTRA_TIMEOUT_S * max(1.0, n / plan["cores"])
     workdir = workroot / f"{network}-{impl}-np{n}"
-    workdir.mkdir()
-    plan_path = workdir / "plan.json"
     threads = max(1, plan["cores"] // n)
-    plan_path.write_text(json.dumps({**plan, "intra_op_threads": threads, "independent": n, "workloads": workloads,
-                                     "worker_timeout_s": timeout_s - 10.0}))
-    info: dict[str, Any] = {"loadavg_before": C.loadavg(), "intra_op_threads": threads, **(extra_info or {})}
-    try:
-        res = C.run_job(_job(impl, n, cluster, plan_path, workdir, timeout_s))
-    except Exception as exc:  # e.g. no mpirun for this implementation
-        info.update(status="error", error=f"{type(exc).__name__}: {exc}", loadavg_after=C.loadavg())
-        result["runs"].setdefault(network, {}).setdefault(impl, {})[str(n)] = info
-        print(f"  {network:>8} {impl:>17} N={n}: error -- {info['error']}", flush=True)
-        return []
-    recs = _collect(workdir)
-    info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1), loadavg_after=C.loadavg())
+    plan_path = jobs.write_plan(workdir / "plan.json", {**plan, "intra_op_threads": threads, "independent": n,
+                                                        "workloads": workloads, "worker_timeout_s": timeout_s - 10.0})
+    argv = lambda rank: jobs.worker_argv(__file__, "--impl", impl, plan=plan_path, workdir=workdir,  # noqa: E731
+                                         rank=rank)
+    run = peers.run(PEER_OF[impl], where, n, argv, workdir, timeout_s,
+                    info={"intra_op_threads": threads, **(extra_info or {})})
+    result["runs"].setdefault(network, {}).setdefault(impl, {})[str(n)] = run.info
+    recs = run.records("steps")
     if impl == "single":
         expected = n * sum(1 for model, _ in workloads for path in plan["paths"]
                            if path.startswith("fit") or model in MODELS_OF["single"])
     else:
         expected = n * len(workloads)
-    if res.ok and len(recs) != expected:
-        info.update(status="error", error=f"{len(recs)} of {expected} records written")
-    if not res.ok:
-        errors = sorted(workdir.glob("error.*"))
-        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
-                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
-    result["runs"].setdefault(network, {}).setdefault(impl, {})[str(n)] = info
-    msg = f"  {network:>8} {impl:>17} N={n}: {info['status']}, {res.seconds:.1f} s, load {info['loadavg_after'][0]}"
-    if info["status"] != "ok":
-        msg += f" -- {info.get('error')}: {(info.get('worker_error') or '').strip().splitlines()[-1:]}"
-    print(msg, flush=True)
-    return recs if info["status"] == "ok" else []
+    if run.ok and len(recs) != expected:
+        run.fail(f"{len(recs)} of {expected} records written")
+    run.say(f"{network:>8} {impl:>17} N={n}", f"{run.seconds:.1f} s" if run.job is not None else None,
+            f"load {run.info['loadavg_after'][0]}")
+    return recs if run.ok else []
 
 
 def _job_workloads(plan: dict, network: str, impl: str, n: int) -> list[list]:
@@ -781,11 +682,7 @@ def _print_tables(rows: list[dict], baselines: dict, plan: dict) -> None:
 
 
 def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     models = plan["models"]
     fig, axes = plt.subplots(len(models), 2, figsize=(17, 4.3 * len(models)), squeeze=False)
     for i, model in enumerate(models):
@@ -822,24 +719,7 @@ def _plot(path: Path, rows: list[dict], plan: dict, networks: list[str]) -> None
         ax_eff.set_title(f"{model}: efficiency vs N independent workers at once")
     fig.suptitle("End-to-end training: hostreduce (Estimator and Keras fit; ring, mpi) vs TensorFlow "
                  "MultiWorkerMirroredStrategy and Horovod")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _horovod_available() -> tuple[bool, str]:
-    import importlib.util
-
-    if importlib.util.find_spec("horovod") is None:
-        return False, "horovod is not installed"
-    try:
-        from hostreduce.reducers.mpi.select import mpirun_for
-
-        mpirun_for("horovod")
-    except Exception as exc:
-        return False, str(exc)
-    return True, "ok"
+    report.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -866,45 +746,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="results file stem: <out>/<name>.json and .png (default end_to_end)")
     p.add_argument("--quick", action="store_true", help="smoke run (< 90 s)")
     p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
-    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
+    cli.add_run_options(p)
     args = p.parse_args(argv)
     if args.worker:
-        return worker_main(args)
+        return jobs.run_worker(args, lambda plan, workdir: _train(args.impl, args.rank, plan, workdir))
 
-    hvd_ok, hvd_why = _horovod_available()
-    impls = C.parse_list(args.impl, str) if args.impl else [i for i in IMPLS if i not in MPIRUN_OF
-                                                             or MPIRUN_OF[i] != "horovod" or hvd_ok]
-    if args.quick and not args.impl:
-        impls = ["ring", "tf"]
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        p.error(f"--impl must be among {','.join(IMPLS)}. Received: {bad}")
-    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
-    if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
-        p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
-    wanted = C.parse_list(args.networks, str) if args.networks else (["loopback"] if args.quick else DEFAULT_NETWORKS)
-    try:
-        for nw in wanted:
-            if nw != "loopback":
-                NC.parse_rate(nw)
-    except NC.NetClusterError as exc:
-        p.error(str(exc))
+    hvd_ok, hvd_why = placement.horovod_mpirun()
+    if args.impl:
+        impls = cli.parse_choices(p, "--impl", args.impl, IMPLS)
+    else:
+        impls = ["ring", "tf"] if args.quick else [i for i in IMPLS if PEER_OF[i].mpi != "horovod" or hvd_ok]
+    nps = cli.parse_np(p, args.np, [2] if args.quick else DEFAULT_NP)
+    wanted = cli.parse_networks(p, args.networks, ["loopback"] if args.quick else DEFAULT_NETWORKS)
     fit = [i for i in impls if i in FIT_IMPLS]
-    models = (C.parse_list(args.models, str) if args.models
+    models = (parse_list(args.models, str) if args.models
               else [m for m in MODELS if m != "resnet" or (fit and not args.quick)])
     if any(m not in MODELS for m in models):
         p.error(f"--models must be among {','.join(MODELS)}. Received: {models}")
     paths = [path for path in PATHS if any(PATH_OF[i] == path for i in impls)
              or (path == "fit-tf_keras" and "keras-tf" in impls)]
-    usable, why = NC.netns_usable()
-    networks = [nw for nw in wanted if nw == "loopback" or usable]
-    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    networks, usable, why = placement.usable_networks(wanted)
+    quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
     network_kinds = [k for k in ("loopback", "cluster") if any((nw == "loopback") == (k == "loopback")
                                                                 for nw in networks)]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = report.cores()
     timeout = args.job_timeout or (100.0 if args.quick else 200.0)
     resnet_batch = args.batch_resnet or (4 if args.quick else RESNET_BATCH)
-    np_of = {"resnet": C.parse_list(args.np_resnet, int)} if args.np_resnet else {}
+    np_of = {"resnet": parse_list(args.np_resnet, int)} if args.np_resnet else {}
     if args.large_hidden < 1:
         p.error(f"--large-hidden must be an integer >= 1. Received: {args.large_hidden}")
     plan = {"models": models, "paths": paths, "large_hidden": args.large_hidden, "network_kinds": network_kinds, "np_of": np_of, "cores": cores,
@@ -919,54 +787,48 @@ def main(argv: list[str] | None = None) -> int:
             "steps": {"mnist": 10 if args.quick else 20, "large": 3 if args.quick else 4,
                       "resnet": 3 if args.quick else 4},
             "baseline_np": [1] if args.quick else [1] + nps}
-    out_dir = Path(args.out)
-    json_path, png_path = out_dir / f"{args.name}.json", out_dir / f"{args.name}.png"
-    result: dict[str, Any] = {
-        "benchmark": "end_to_end",
-        "description": "examples/s of data-parallel training with Adam, same models, per-worker batch and data; "
-                       "hostreduce ring and mpi (Estimator, host apply) vs TF MultiWorkerMirroredStrategy(RING) and "
-                       "Horovod core ops (Keras custom loop in tf.function); Keras model.fit: hostreduce.horovod.keras "
-                       "DistributedOptimizer (ring, mpi) vs MultiWorkerMirroredStrategy and Horovod's Keras "
-                       "DistributedOptimizer; baselines without communication",
-        "environment": C.environment(packages=("grpcio", "tensorflow", "keras", "tf_keras", "horovod", "mpi4py"),
-                                     extra={"load_wait": quiet, "namespaces_usable": usable, "namespaces_reason": why,
-                                            "horovod_available": hvd_ok, "horovod_reason": hvd_why}),
-        "settings": {"impls": impls, "np": nps, "networks": networks, "models": models, "quick": args.quick,
-                     "plan": plan,
-                     "model_details": {"mnist": "examples/mnist/train.py model_fn: Dense 256-128-10 on 64 features "
-                                                "(scikit-learn 8x8 digits)",
-                                       "large": f"MLP {LARGE['input']}-{args.large_hidden}x{LARGE['layers']}-"
-                                                f"{LARGE['classes']}, synthetic standard-normal features",
-                                       "resnet": "keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), "
-                                                 "classes=10, classifier_activation=None), 23.6M parameters, "
-                                                 "synthetic standard-normal images; model.fit implementations only"},
-                     "cluster_impls": list(NETWORK_IMPLS["cluster"]),
-                     "cluster_note": "mpi and horovod run on loopback only: mpirun would start every rank in one "
-                                     "namespace, so their traffic would not cross the shaped links",
-                     "definitions": {
-                         "examples_per_s": "global batch / slowest rank's median step",
-                         "efficiency": "examples/s(N) / (N * examples/s of one worker alone on the machine)",
-                         "efficiency_shared_cpu": "examples/s(N) / sum of examples/s of N independent workers "
-                                                  "running at once (same CPU share per worker)",
-                         "cpu_ms_per_step": "CPU time (user + system, every thread of the worker's process) of one "
-                                            "step: median over steps, mean over ranks",
-                         "cpu_bound_ms": "cpu_ms_per_step * max(1, N / cores): the shortest step the cores allow",
-                         "weights_agree": "fit rows: every rank ends with the same weights (relative spread of the "
-                                          "sum of |weights| < 1e-5); each rank trains on its own shard, so this "
-                                          "shows the gradients were reduced"},
-                     "impl_details": IMPL_DETAILS,
-                     "targets": {"ring_over_tf_large_np2_loopback": f">= {TARGET_RATIO}",
-                                 **{f"keras-ring_over_{peer}_large_np2_loopback": f">= {goal}"
-                                    for peer, goal in TARGET_FIT_RATIOS.items()},
-                                 "efficiency_1gbit_np4": f">= {TARGET_EFFICIENCY}"}},
-        "runs": {}, "baselines": {}, "measurements": [], "ratios": [], "targets": [],
-    }
-    if not usable and any(nw != "loopback" for nw in wanted):
-        print(f"network namespaces unavailable ({why}); running the loopback part only", flush=True)
-    print(f"end-to-end benchmark: impls={impls} networks={networks} np={nps} models={models} "
-          f"batch per worker {plan['batch']} (results -> {json_path})", flush=True)
-    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-e2e-"))
-    t_start = time.monotonic()
+    rep = report.Report(
+        args.out, args.name, "end_to_end",
+        "examples/s of data-parallel training with Adam, same models, per-worker batch and data; "
+        "hostreduce ring and mpi (Estimator, host apply) vs TF MultiWorkerMirroredStrategy(RING) and "
+        "Horovod core ops (Keras custom loop in tf.function); Keras model.fit: hostreduce.horovod.keras "
+        "DistributedOptimizer (ring, mpi) vs MultiWorkerMirroredStrategy and Horovod's Keras "
+        "DistributedOptimizer; baselines without communication",
+        packages=("grpcio", "tensorflow", "keras", "tf_keras", "horovod", "mpi4py"),
+        environment_extra={"load_wait": quiet, "namespaces_usable": usable, "namespaces_reason": why,
+                           "horovod_available": hvd_ok, "horovod_reason": hvd_why},
+        settings={"impls": impls, "np": nps, "networks": networks, "models": models, "quick": args.quick,
+                  "plan": plan,
+                  "model_details": {"mnist": "examples/mnist/train.py model_fn: Dense 256-128-10 on 64 features "
+                                             "(scikit-learn 8x8 digits)",
+                                    "large": f"MLP {LARGE['input']}-{args.large_hidden}x{LARGE['layers']}-"
+                                             f"{LARGE['classes']}, synthetic standard-normal features",
+                                    "resnet": "keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), "
+                                              "classes=10, classifier_activation=None), 23.6M parameters, "
+                                              "synthetic standard-normal images; model.fit implementations only"},
+                  "cluster_impls": list(NETWORK_IMPLS["cluster"]),
+                  "cluster_note": "mpi and horovod run on loopback only: mpirun would start every rank in one "
+                                  "namespace, so their traffic would not cross the shaped links",
+                  "definitions": {
+                      "examples_per_s": "global batch / slowest rank's median step",
+                      "efficiency": "examples/s(N) / (N * examples/s of one worker alone on the machine)",
+                      "efficiency_shared_cpu": "examples/s(N) / sum of examples/s of N independent workers "
+                                               "running at once (same CPU share per worker)",
+                      "cpu_ms_per_step": "CPU time (user + system, every thread of the worker's process) of one "
+                                         "step: median over steps, mean over ranks",
+                      "cpu_bound_ms": "cpu_ms_per_step * max(1, N / cores): the shortest step the cores allow",
+                      "weights_agree": "fit rows: every rank ends with the same weights (relative spread of the "
+                                       "sum of |weights| < 1e-5); each rank trains on its own shard, so this "
+                                       "shows the gradients were reduced"},
+                  "impl_details": IMPL_DETAILS,
+                  "targets": {"ring_over_tf_large_np2_loopback": f">= {TARGET_RATIO}",
+                              **{f"keras-ring_over_{peer}_large_np2_loopback": f">= {goal}"
+                                 for peer, goal in TARGET_FIT_RATIOS.items()},
+                              "efficiency_1gbit_np4": f">= {TARGET_EFFICIENCY}"}},
+        runs={}, baselines={}, measurements=[], ratios=[], targets=[])
+    result = rep.result
+    rep.announce(f"end-to-end benchmark: impls={impls} networks={networks} np={nps} models={models} "
+                 f"batch per worker {plan['batch']}")
     all_recs: dict[tuple[str, str, int], list[dict]] = {}
     rows: list[dict] = []
     baselines: dict = {}
@@ -975,51 +837,35 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal rows, baselines
         rows, baselines = _build_rows(all_recs, plan, nps, networks)
         result.update(measurements=rows, baselines=baselines, ratios=_ratios(rows))
-        C.write_json(json_path, result)
+        rep.save()
 
-    try:
+    with jobs.workroot("hostreduce-bench-e2e-", args.keep_workdir) as workroot:
         for n in plan["baseline_np"]:
-            all_recs[("baseline", "single", n)] = _run("baseline", "single", n, None, plan, workroot, result, timeout)
+            all_recs[("baseline", "single", n)] = _run("baseline", "single", n, placement.Loopback(), plan, workroot,
+                                                       result, timeout)
         save()
         for network in networks:
             for n in nps:
-                if network == "loopback":
-                    for impl in impls:
-                        all_recs[(network, impl, n)] = _run(network, impl, n, None, plan, workroot, result, timeout)
+                with placement.network(network, n) as where:
+                    check = where.measure_rate(0.5)
+                    for impl in [i for i in impls if where.cluster is None or i in NETWORK_IMPLS["cluster"]]:
+                        all_recs[(network, impl, n)] = _run(network, impl, n, where, plan, workroot, result, timeout,
+                                                            {"tcp_check": check} if check else None)
                         save()
-                else:
-                    with NC.NetCluster(n, network) as cluster:
-                        check = cluster.measure_rate(0, 1, seconds=0.5)
-                        for impl in [i for i in impls if i in NETWORK_IMPLS["cluster"]]:
-                            all_recs[(network, impl, n)] = _run(network, impl, n, cluster, plan, workroot, result,
-                                                                timeout, {"tcp_check": check})
-                            save()
-    finally:
-        if args.keep_workdir:
-            print(f"worker files kept in {workroot}")
-        else:
-            shutil.rmtree(workroot, ignore_errors=True)
     save()
     result["targets"] = _targets(rows)
-    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
-    result["environment"]["loadavg_at_end"] = C.loadavg()
-    C.write_json(json_path, result)
-    if not args.no_plot and rows:
-        _plot(png_path, rows, plan, networks)
-    _print_tables(rows, baselines, plan)
-    if result["ratios"]:
-        print("\nratios (examples/s):")
-        for r in result["ratios"]:
-            print(f"  {r['network']:>8} N={r['np']} {r['model']:>5}: {r['what']} = {r['value']}")
-    if result["targets"]:
-        print()
-        for t in result["targets"]:
-            print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']})")
-    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
-          f" in {result['environment']['wall_s']} s")
-    failed = [f"{nw} {impl} N={n}" for nw, by_impl in result["runs"].items() for impl, runs in by_impl.items()
-              for n, info in runs.items() if info["status"] != "ok"]
-    return 1 if failed else 0
+
+    def show() -> None:
+        _print_tables(rows, baselines, plan)
+        if result["ratios"]:
+            print("\nratios (examples/s):")
+            for r in result["ratios"]:
+                print(f"  {r['network']:>8} N={r['np']} {r['model']:>5}: {r['what']} = {r['value']}")
+        report.print_targets(result["targets"])
+
+    rep.close(plot=(lambda path: _plot(path, rows, plan, networks)) if rows else None, no_plot=args.no_plot,
+              show=show)
+    return report.exit_status(result["runs"])
 
 
 if __name__ == "__main__":

@@ -35,10 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks.harness import cli, report  # noqa: E402
+from benchmarks.harness.measure import numel, time_op  # noqa: E402
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 PASSES = {"sgd": 3, "momentum": 5, "adam": 7}  # arrays of parameter size read or written per step
@@ -78,13 +79,6 @@ def resnet50_shapes(width_divisor: int = 1) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def copy_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
     """Memory bandwidth of ``np.copyto`` on buffers of ``nbytes`` (read + write bytes / s)."""
     import numpy as np
@@ -92,7 +86,7 @@ def copy_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
     src = np.ones(nbytes // 4, np.float32)
     dst = np.zeros_like(src)
     np.copyto(dst, src)  # pages in, warm
-    times = C.time_op(lambda: np.copyto(dst, src), reps)
+    times = time_op(lambda: np.copyto(dst, src), reps)
     t = statistics.median(times)
     return {"bytes": nbytes, "reps": reps, "median_ms": round(t * 1e3, 4), "min_ms": round(min(times) * 1e3, 4),
             "bandwidth_GBps": round(2 * nbytes / t / 1e9, 3)}
@@ -164,9 +158,9 @@ def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[s
         agree = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
         del a, b
     for case in cases.values():
-        C.time_op(case, warmup)
+        time_op(case, warmup)
     # The floor is measured between the implementations' rounds, under the same conditions.
-    nparams = sum(_numel(s) for s in shapes)
+    nparams = sum(numel(s) for s in shapes)
     src = np.ones(nparams, np.float32)
     dst = np.zeros_like(src)
     np.copyto(dst, src)
@@ -180,7 +174,7 @@ def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[s
     times: dict[str, list[float]] = {i: [] for i in impls}
     copy_times: list[float] = []
     copy_par_times: list[float] = []
-    load_before = C.loadavg()
+    load_before = report.loadavg()
     # Interleaved one step at a time, in a rotating order: whatever else the machine does
     # hits every implementation and the floor alike, and each repetition gives paired ratios.
     ops: list[tuple[str, Callable[[], Any]]] = [*((i, cases[i]) for i in impls), ("copy", copy),
@@ -189,10 +183,10 @@ def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[s
     for k in range(reps * rounds):
         shift = k % len(ops)
         for name, op in ops[shift:] + ops[:shift]:
-            series[name][k] = C.time_op(op, 1)[0]
+            series[name][k] = time_op(op, 1)[0]
     times = {i: series[i] for i in impls}
     copy_times, copy_par_times = series["copy"], series["copy_parallel"]
-    load_after = C.loadavg()
+    load_after = report.loadavg()
     pool.shutdown()
     del src, dst, parts
     # A copy reads and writes the parameters' size: two passes.
@@ -208,7 +202,7 @@ def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[s
         t_ms = statistics.median(times[i]) * 1e3
         rows.append({
             "optimizer": opt, "layout": layout, "impl": i, "tensors": len(shapes),
-            "parameters": sum(_numel(s) for s in shapes), "fused": cases[i].fused if i == "hostreduce" else None,
+            "parameters": sum(numel(s) for s in shapes), "fused": cases[i].fused if i == "hostreduce" else None,
             "time_ms": round(t_ms, 3), "min_ms": round(min(times[i]) * 1e3, 3),
             # Ratios: median over repetitions of the ratio within each repetition.
             "floor_ms": round(floor_ms, 3), "ratio_to_floor": paired(times[i], copy_times, passes / 2),
@@ -270,11 +264,7 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     keys = sorted({(r["optimizer"], r["layout"]) for r in rows},
                   key=lambda k: (OPTIMIZERS.index(k[0]), LAYOUTS.index(k[1])))
     labels = [f"{o}\n{'161 tensors' if l == 'resnet50' else '1 tensor'}" for o, l in keys]
@@ -296,10 +286,7 @@ def _plot(path: Path, rows: list[dict]) -> None:
     ax.set_title(f"Host optimizer update, {params / 1e6:.1f}M float32 parameters")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,26 +303,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds (default 4; --quick: 2); reps x rounds interleaved steps of each implementation")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="TF intra-op threads (default: TF's choice)")
-    p.add_argument("--max-load", type=float, default=None,
-                   help="wait until the 1-minute load average is at most this (up to --max-wait-s)")
-    p.add_argument("--max-wait-s", type=float, default=600.0)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--no-plot", action="store_true")
+    cli.add_run_options(p, jobs=False)
     args = p.parse_args(argv)
 
-    opts = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    impls = [x.strip() for x in args.impl.split(",") if x.strip()]
-    for name, values, valid in (("--optimizers", opts, OPTIMIZERS), ("--layouts", layouts, LAYOUTS),
-                                ("--impl", impls, tuple(IMPLS))):
-        bad = [v for v in values if v not in valid]
-        if bad or not values:
-            p.error(f"{name} must be among {list(valid)}. Received: {values}")
-    impls = [i for i in IMPLS if i in impls]
+    opts = cli.parse_choices(p, "--optimizers", args.optimizers, OPTIMIZERS)
+    layouts = cli.parse_choices(p, "--layouts", args.layouts, LAYOUTS)
+    impls = [i for i in IMPLS if i in cli.parse_choices(p, "--impl", args.impl, list(IMPLS))]
     divisor = args.width_divisor or (8 if args.quick else 1)
     reps = args.reps or (3 if args.quick else 10)
     rounds = args.rounds or (2 if args.quick else 4)
-    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     t_start = time.monotonic()
@@ -346,35 +323,34 @@ def main(argv: list[str] | None = None) -> int:
     # TF's intra-op pool: 0 means one thread per core.
     copy_threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
     shapes161 = resnet50_shapes(divisor)
-    nparams = sum(_numel(s) for s in shapes161)
+    nparams = sum(numel(s) for s in shapes161)
     layout_shapes = {"resnet50": shapes161, "single": [(nparams,)]}
     pbytes = 4 * nparams
-    out_dir = Path(args.out)
-    json_path, png_path = out_dir / "host_apply.json", out_dir / "host_apply.png"
     bw = copy_bandwidth(pbytes, reps=20 if args.quick else 30)
     pass_ms = pbytes / (bw["bandwidth_GBps"] * 1e9) * 1e3
-    result: dict[str, Any] = {
-        "benchmark": "host_apply",
-        "description": "one optimizer step on CPU variables inside tf.function; the implementations and the copy "
-                       "floor are timed interleaved, one step at a time; time = median over steps; ratios = median "
-                       "over steps of the ratio within a step",
-        "environment": C.environment(packages=("tensorflow", "keras"), extra={
+    rep = report.Report(
+        args.out, "host_apply", "host_apply",
+        "one optimizer step on CPU variables inside tf.function; the implementations and the copy "
+        "floor are timed interleaved, one step at a time; time = median over steps; ratios = median "
+        "over steps of the ratio within a step",
+        packages=("tensorflow", "keras"), environment_extra={
             "load_wait": quiet, "tf_intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-            "tf_inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}),
-        "settings": {"optimizers": opts, "layouts": layouts, "impls": {i: IMPLS[i] for i in impls},
-                     "quick": args.quick, "width_divisor": divisor, "reps_per_round": reps, "rounds": rounds,
-                     "warmup": args.warmup, "parameters": nparams, "tensors": {k: len(v) for k, v in
-                                                                             layout_shapes.items()},
-                     "passes": PASSES, "targets": TARGETS,
-                     "optimizer_settings": {"sgd": "SGD(lr=0.01)", "momentum": "SGD(lr=0.01, momentum=0.9)",
-                                            "adam": "Adam(lr=1e-3)"}},
-        "copy_bandwidth": {**bw, "one_pass_ms": round(pass_ms, 4),
-                           "floor_ms": {o: round(PASSES[o] * pass_ms, 3) for o in OPTIMIZERS}},
-        "measurements": [], "targets": [],
-    }
+            "tf_inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()},
+        settings={"optimizers": opts, "layouts": layouts, "impls": {i: IMPLS[i] for i in impls},
+                  "quick": args.quick, "width_divisor": divisor, "reps_per_round": reps, "rounds": rounds,
+                  "warmup": args.warmup, "parameters": nparams, "tensors": {k: len(v) for k, v in
+                                                                          layout_shapes.items()},
+                  "passes": PASSES, "targets": TARGETS,
+                  "optimizer_settings": {"sgd": "SGD(lr=0.01)", "momentum": "SGD(lr=0.01, momentum=0.9)",
+                                         "adam": "Adam(lr=1e-3)"}},
+        copy_bandwidth={**bw, "one_pass_ms": round(pass_ms, 4),
+                        "floor_ms": {o: round(PASSES[o] * pass_ms, 3) for o in OPTIMIZERS}},
+        measurements=[], targets=[])
+    rep.t_start = t_start
+    result = rep.result
     print(f"host apply benchmark: {nparams:,} float32 parameters ({pbytes / 1e6:.1f} MB), "
           f"layouts {layouts}, optimizers {opts}; copy bandwidth {bw['bandwidth_GBps']} GB/s "
-          f"(one pass {pass_ms:.2f} ms) (results -> {json_path})", flush=True)
+          f"(one pass {pass_ms:.2f} ms) (results -> {rep.json_path})", flush=True)
     rows: list[dict] = []
     for k, opt in enumerate(opts):
         for layout in layouts:
@@ -385,22 +361,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {opt:>8} {layout:>8}: " + ", ".join(f"{r['impl']} {r['time_ms']:.2f} ms" for r in new)
                   + f" ({time.monotonic() - t0:.1f} s)", flush=True)
             result["measurements"] = rows
-            C.write_json(json_path, result)
+            rep.save()
     # The copy bandwidth again at the end: how much it drifted during the run.
     result["copy_bandwidth"]["at_end"] = copy_bandwidth(pbytes, reps=20 if args.quick else 30)
     result["targets"] = _targets(rows)
-    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
-    result["environment"]["loadavg_at_end"] = C.loadavg()
-    C.write_json(json_path, result)
-    if not args.no_plot:
-        _plot(png_path, rows)
-    _print_table(rows)
-    for t in result["targets"]:
-        extra = (f" [against the {rows[0]['floor_parallel_threads']}-thread copy floor: "
-                 f"{t['ratio_to_parallel_floor']}]" if "ratio_to_parallel_floor" in t else "")
-        print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']}){extra}")
-    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
-          f" in {result['environment']['wall_s']} s")
+
+    def show() -> None:
+        _print_table(rows)
+        report.print_targets(result["targets"], blank=False, note=lambda t: (
+            f" [against the {rows[0]['floor_parallel_threads']}-thread copy floor: {t['ratio_to_parallel_floor']}]"
+            if "ratio_to_parallel_floor" in t else ""))
+
+    rep.close(plot=lambda path: _plot(path, rows), no_plot=args.no_plot, show=show)
     return 0
 
 

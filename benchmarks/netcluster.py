@@ -42,6 +42,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hostreduce.processes import alive, stop_groups  # noqa: E402
+
 __all__ = [
     "NetCluster",
     "NetClusterError",
@@ -147,32 +152,15 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_namespace_processes(ns: str) -> None:
     """End what still runs inside one of our namespaces (only our workers can be there)."""
     ip = _ip_binary()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for _ in range(2):  # again for any process started while the first ones ended
         pids = [int(p) for p in _sh([ip, "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
         pids = [p for p in pids if p != os.getpid()]
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
-            time.sleep(0.05)
+        stop_groups((), pids, grace_s=2.0)
 
 
 def _delete_namespaces(names: Sequence[str]) -> list[str]:
@@ -190,7 +178,7 @@ def _delete_namespaces(names: Sequence[str]) -> list[str]:
 def cleanup_stale() -> list[str]:
     """Delete the namespaces of runs whose owning process is gone; return their names."""
     stale = [ns for ns in list_namespaces()
-             if (m := _NAME.match(ns)) and not _pid_alive(int(m.group(1)))]
+             if (m := _NAME.match(ns)) and not alive(int(m.group(1)))]
     if stale:
         _delete_namespaces(stale)
     return stale

@@ -45,29 +45,26 @@ JSON records the load average around every run.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
-import secrets
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as C  # noqa: E402
 from benchmarks import netcluster as NC  # noqa: E402
+from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
+from benchmarks.harness.measure import link_bound_ms, median, numel  # noqa: E402
+from benchmarks.impls.training import host_adam_model_fn, tf_threads  # noqa: E402
 
 MODES = ("sequential", "apply-once", "streamed")
 DEFAULT_NP = [2, 4]
 DEFAULT_NETWORKS = ["loopback", "1gbit", "10gbit"]
-RING_PORT = 29500
 INPUT_DIM, HIDDEN, LAYERS, CLASSES = 512, 768, 8, 10
 TARGET_HIDDEN = 0.8      # at 1 Gbit/s, N = 2 and 4
 TARGET_RATIO = 1.15      # T_streamed / max(T_compute, T_reduction)
@@ -76,24 +73,15 @@ TARGET_RATIO = 1.15      # T_streamed / max(T_compute, T_reduction)
 # =========================================================================== worker
 
 
-def _model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
+def _model(params: dict) -> Any:
     import keras
-    import tensorflow as tf
-
-    from hostreduce.estimator import EstimatorSpec, compute_gradients
 
     layers = [keras.layers.Dense(params["hidden"], activation="relu", name=f"dense{i}")
               for i in range(params["layers"])]
-    model = keras.Sequential(layers + [keras.layers.Dense(params["classes"], name="logits")])
-    logits = model(features)
-    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-    optimizer = keras.optimizers.Adam(1e-4)
-    grads = compute_gradients(loss, model.trainable_variables)
+    return keras.Sequential(layers + [keras.layers.Dense(params["classes"], name="logits")])
 
-    def host_apply(*reduced: Any) -> None:
-        optimizer.apply_gradients(zip(reduced, model.trainable_variables))
 
-    return EstimatorSpec(mode, loss=loss, train_op=tf.identity(loss), host_call=(host_apply, grads))
+_model_fn = host_adam_model_fn(_model, lambda params: 1e-4)
 
 
 def _input_fn(plan: dict) -> Any:
@@ -157,89 +145,76 @@ def _reduce_alone(reducer: Any, shapes: list[tuple[int, ...]], reps: int) -> tup
     return [w for w, _ in runs], [c for _, c in runs]
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    plan = json.loads(Path(args.plan).read_text())
-    workdir = Path(args.workdir)
-    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
-    rank_hint = args.rank
-    (workdir / f"pid.{rank_hint}").write_text(str(os.getpid()))
-    try:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        import keras
-        import tensorflow as tf
+def _measure(plan: dict, workdir: Path) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
 
-        tf.config.threading.set_intra_op_parallelism_threads(plan["intra_op_threads"])
-        tf.config.threading.set_inter_op_parallelism_threads(plan["inter_op_threads"])
-        from hostreduce.estimator import Estimator, RunConfig
-        from hostreduce.strategies import MultiWorkerStrategy
+    tf_threads(plan)
+    from hostreduce.estimator import Estimator, RunConfig
+    from hostreduce.strategies import MultiWorkerStrategy
 
-        strategy = MultiWorkerStrategy(variables_on_host=True)
-        rank, size = strategy.rank, strategy.size
-        params = {"hidden": HIDDEN, "layers": LAYERS, "classes": CLASSES}
-        estimators = {}
-        for mode in MODES:
-            keras.utils.set_random_seed(1)
-            config = RunConfig(train_distribute=strategy, log_step_count_steps=None,
-                               timeline_dir=str(workdir / f"timeline-{mode}"),
-                               stream_gradients=(mode != "sequential"),
-                               host_apply="per_gradient" if mode == "streamed" else "once")
-            estimators[mode] = Estimator(_model_fn, config=config, params=params)
-        input_fn = _input_fn(plan)
-        out = open(workdir / f"rank{rank}.jsonl", "a")
-        out.write(json.dumps({"kind": "hello", "rank": rank, "size": size,
-                              "transport": getattr(strategy.reducer, "transport", None)}) + "\n")
-        out.flush()
+    strategy = MultiWorkerStrategy(variables_on_host=True)
+    rank, size = strategy.rank, strategy.size
+    params = {"hidden": HIDDEN, "layers": LAYERS, "classes": CLASSES}
+    estimators = {}
+    for mode in MODES:
+        keras.utils.set_random_seed(1)
+        config = RunConfig(train_distribute=strategy, log_step_count_steps=None,
+                           timeline_dir=str(workdir / f"timeline-{mode}"),
+                           stream_gradients=(mode != "sequential"),
+                           host_apply="per_gradient" if mode == "streamed" else "once")
+        estimators[mode] = Estimator(_model_fn, config=config, params=params)
+    input_fn = _input_fn(plan)
+    out = open(workdir / f"rank{rank}.jsonl", "a")
+    out.write(json.dumps({"kind": "hello", "rank": rank, "size": size,
+                          "transport": getattr(strategy.reducer, "transport", None)}) + "\n")
+    out.flush()
 
-        stamps: list[float] = []
-        hook = lambda _step, _loss: stamps.append(time.perf_counter())  # noqa: E731
-        step_ms: dict[str, list[float]] = {m: [] for m in MODES}
-        timed_index: dict[str, list[int]] = {m: [] for m in MODES}
-        done: dict[str, int] = {m: 0 for m in MODES}
-        for mode in MODES:  # warm-up: tracing, buffers, connections
-            estimators[mode].train(input_fn, steps=plan["warmup_steps"], hooks=[hook])
-            done[mode] += plan["warmup_steps"]
-        for rnd in range(plan["rounds"]):
-            order = MODES if rnd % 2 == 0 else MODES[::-1]
-            for mode in order:
-                stamps.clear()
-                strategy.reducer.barrier()
-                estimators[mode].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
-                # The first step of a train() call also builds the input iterator: dropped.
-                step_ms[mode] += [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
-                timed_index[mode] += list(range(done[mode] + 1, done[mode] + plan["steps_per_round"] + 1))
-                done[mode] += plan["steps_per_round"] + 1
-        profile = None
-        if plan.get("profile"):
-            # One more streamed round (every rank runs it), sampled by py-spy on rank 0.
-            spy = None
-            raw = workdir / f"pyspy-rank{rank}.txt"
-            if rank == 0:
-                spy = _start_pyspy(raw)
+    stamps: list[float] = []
+    hook = lambda _step, _loss: stamps.append(time.perf_counter())  # noqa: E731
+    step_ms: dict[str, list[float]] = {m: [] for m in MODES}
+    timed_index: dict[str, list[int]] = {m: [] for m in MODES}
+    done: dict[str, int] = {m: 0 for m in MODES}
+    for mode in MODES:  # warm-up: tracing, buffers, connections
+        estimators[mode].train(input_fn, steps=plan["warmup_steps"], hooks=[hook])
+        done[mode] += plan["warmup_steps"]
+    for rnd in range(plan["rounds"]):
+        order = MODES if rnd % 2 == 0 else MODES[::-1]
+        for mode in order:
+            stamps.clear()
             strategy.reducer.barrier()
-            estimators["streamed"].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
-            if spy is not None:
-                profile = _stop_pyspy(spy, raw)
-        dims = [INPUT_DIM] + [HIDDEN] * LAYERS + [CLASSES]
-        shapes = [s for a, b in zip(dims, dims[1:]) for s in ((a, b), (b,))]  # kernel, bias per layer
-        alone, alone_cpu = _reduce_alone(strategy.reducer, shapes, plan["reduce_reps"])
-        for mode in MODES:
-            steps = _step_breakdown(workdir / f"timeline-{mode}" / f"timeline-rank{rank}.json")
-            timed = [steps[i] for i in timed_index[mode] if i < len(steps)]
-            out.write(json.dumps({"kind": "mode", "rank": rank, "mode": mode, "step_ms": step_ms[mode],
-                                  "timed_steps": timed_index[mode], "breakdown": timed}) + "\n")
-        if profile is not None:
-            out.write(json.dumps({"kind": "profile", "rank": rank, **profile}) + "\n")
-        out.write(json.dumps({"kind": "alone", "rank": rank, "bytes": int(sum(4 * _prod(s) for s in shapes)),
-                              "tensors": len(shapes), "reduce_ms": [round(t * 1e3, 3) for t in alone],
-                              "reduce_cpu_ms": [round(t * 1e3, 3) for t in alone_cpu]}) + "\n")
-        out.close()
+            estimators[mode].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
+            # The first step of a train() call also builds the input iterator: dropped.
+            step_ms[mode] += [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
+            timed_index[mode] += list(range(done[mode] + 1, done[mode] + plan["steps_per_round"] + 1))
+            done[mode] += plan["steps_per_round"] + 1
+    profile = None
+    if plan.get("profile"):
+        # One more streamed round (every rank runs it), sampled by py-spy on rank 0.
+        spy = None
+        raw = workdir / f"pyspy-rank{rank}.txt"
+        if rank == 0:
+            spy = _start_pyspy(raw)
         strategy.reducer.barrier()
-        strategy.close()
-    except BaseException as exc:
-        (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
-        return 3
-    faulthandler.cancel_dump_traceback_later()
-    return 0
+        estimators["streamed"].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
+        if spy is not None:
+            profile = _stop_pyspy(spy, raw)
+    dims = [INPUT_DIM] + [HIDDEN] * LAYERS + [CLASSES]
+    shapes = [s for a, b in zip(dims, dims[1:]) for s in ((a, b), (b,))]  # kernel, bias per layer
+    alone, alone_cpu = _reduce_alone(strategy.reducer, shapes, plan["reduce_reps"])
+    for mode in MODES:
+        steps = _step_breakdown(workdir / f"timeline-{mode}" / f"timeline-rank{rank}.json")
+        timed = [steps[i] for i in timed_index[mode] if i < len(steps)]
+        out.write(json.dumps({"kind": "mode", "rank": rank, "mode": mode, "step_ms": step_ms[mode],
+                              "timed_steps": timed_index[mode], "breakdown": timed}) + "\n")
+    if profile is not None:
+        out.write(json.dumps({"kind": "profile", "rank": rank, **profile}) + "\n")
+    out.write(json.dumps({"kind": "alone", "rank": rank, "bytes": int(sum(4 * numel(s) for s in shapes)),
+                          "tensors": len(shapes), "reduce_ms": [round(t * 1e3, 3) for t in alone],
+                          "reduce_cpu_ms": [round(t * 1e3, 3) for t in alone_cpu]}) + "\n")
+    out.close()
+    strategy.reducer.barrier()
+    strategy.close()
 
 
 def _start_pyspy(raw: Path) -> Any:
@@ -310,61 +285,23 @@ def _profile_summary(raw: Path) -> dict:
             "by_thread": pct(by_thread), "raw_file_lines": len(raw.read_text().splitlines())}
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 # =========================================================================== coordinator
 
 
-def _worker_argv(plan_path: Path, workdir: Path, rank: int) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--plan", str(plan_path),
-            "--workdir", str(workdir), "--rank", str(rank)]
-
-
-def _common_env() -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-            "HOSTREDUCE_SECRET": secrets.token_hex(16)}
-
-
-def _job(network: str, n: int, cluster: NC.NetCluster | None, plan_path: Path, workdir: Path,
-         timeout_s: float) -> C.WorkerJob:
-    common = _common_env()
-    if cluster is None:
-        addresses = [f"127.0.0.1:{p}" for p in C.free_ports(n)]
-        envs = [{**common, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(n)]
-        argvs = [_worker_argv(plan_path, workdir, r) for r in range(n)]
-    else:
-        # The namespaces share one hostname, so "auto" would pick shared memory.
-        envs = [{**common, **cluster.worker_env(r, RING_PORT), "HOSTREDUCE_TRANSPORT": "grpc"} for r in range(n)]
-        argvs = [cluster.exec_argv(r, _worker_argv(plan_path, workdir, r)) for r in range(n)]
-    return C.WorkerJob(f"{network}-np{n}", argvs, envs, workdir, timeout_s)
-
-
-def _median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> dict | None:
+def _summarize(network: str, n: int, rate_bps: float | None, records: list[dict]) -> dict | None:
     modes: dict[str, dict[int, dict]] = {m: {} for m in MODES}
     alone: dict[int, dict] = {}
     transport = None
     profile = None
-    for f in workdir.glob("rank*.jsonl"):
-        for rec in C.read_jsonl(f):
-            if rec.get("kind") == "mode":
-                modes[rec["mode"]][rec["rank"]] = rec
-            elif rec.get("kind") == "alone":
-                alone[rec["rank"]] = rec
-            elif rec.get("kind") == "hello":
-                transport = rec.get("transport")
-            elif rec.get("kind") == "profile":
-                profile = rec
+    for rec in records:
+        if rec.get("kind") == "mode":
+            modes[rec["mode"]][rec["rank"]] = rec
+        elif rec.get("kind") == "alone":
+            alone[rec["rank"]] = rec
+        elif rec.get("kind") == "hello":
+            transport = rec.get("transport")
+        elif rec.get("kind") == "profile":
+            profile = rec
     if len(alone) != n or any(len(modes[m]) != n for m in MODES):
         return None
     row: dict[str, Any] = {"network": network, "np": n, "transport": transport, "link_rate_bps": rate_bps}
@@ -374,7 +311,7 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
         step = max(statistics.median(r["step_ms"]) for r in per_rank.values())
         parts = {}
         for key in ("forward_ms", "backward_ms", "reduce_wait_ms", "apply_ms"):
-            parts[key] = round(statistics.mean(_median([s.get(key) for s in r["breakdown"]]) or 0.0
+            parts[key] = round(statistics.mean(median([s.get(key) for s in r["breakdown"]]) or 0.0
                                                for r in per_rank.values()), 3)
         row[mode] = {"step_ms": round(step, 3), **parts,
                      "rank_step_ms": {str(k): v["step_ms"] for k, v in sorted(per_rank.items())}}
@@ -406,49 +343,38 @@ def _summarize(network: str, n: int, rate_bps: float | None, workdir: Path) -> d
     if profile is not None:
         row["pyspy_rank0_streamed"] = profile
     if rate_bps:
-        row["reduction_bound_ms"] = round(C.bus_bandwidth_factor(n) * nbytes / (rate_bps / 8) * 1e3, 3)
+        row["reduction_bound_ms"] = round(link_bound_ms(n, nbytes, rate_bps), 3)
     return row
 
 
-def _run_cell(network: str, n: int, cluster: NC.NetCluster | None, plan: dict, plan_path: Path,
-              workroot: Path, result: dict, timeout_s: float) -> dict | None:
-    workdir = workroot / f"{network}-np{n}"
-    workdir.mkdir()
-    info: dict[str, Any] = {"loadavg_before": C.loadavg()}
-    if cluster is not None:
-        info["tcp_check"] = cluster.measure_rate(0, 1, seconds=plan["rate_check_s"])
-    res = C.run_job(_job(network, n, cluster, plan_path, workdir, timeout_s))
-    info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1), loadavg_after=C.loadavg())
-    row = _summarize(network, n, cluster.rate_bps if cluster else None, workdir) if res.ok else None
-    if res.ok and row is None:
-        info.update(status="error", error="workers exited without writing every record")
-    if not res.ok:
-        errors = sorted(workdir.glob("error.*"))
-        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
-                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
+def _run_cell(where: Any, n: int, plan: dict, plan_path: Path, workroot: Path, result: dict,
+              timeout_s: float) -> dict | None:
+    info: dict[str, Any] = {}
+    if where.cluster is not None:
+        info["tcp_check"] = where.measure_rate(plan["rate_check_s"])
+    workdir = workroot / f"{where.name}-np{n}"
+    argv = lambda rank: jobs.worker_argv(__file__, plan=plan_path, workdir=workdir, rank=rank)  # noqa: E731
+    run = peers.run(peers.HOSTREDUCE_RING, where, n, argv, workdir, timeout_s, info=info)
+    info = run.info
+    records = run.records()
+    row = _summarize(where.name, n, where.rate_bps, records) if run.ok else None
+    if run.ok and row is None:
+        run.fail("workers exited without writing every record")
     if row is not None:
         row["loadavg_before"], row["loadavg_after"] = info["loadavg_before"], info["loadavg_after"]
-        info["timeline"] = _timeline_step(workdir, n)
-    result["runs"].setdefault(network, {})[str(n)] = info
-    msg = f"  {network:>9} N={n}: {info['status']}, {res.seconds:.1f} s, load {info['loadavg_after'][0]}"
-    if cluster is not None:
-        msg += f" (TCP check {info['tcp_check']['achieved_gbps']:.3f} Gbit/s)"
-    if info["status"] != "ok":
-        msg += f" -- {info.get('error')}: {(info.get('worker_error') or '').splitlines()[:1]}"
-    print(msg, flush=True)
+        info["timeline"] = _timeline_step(workdir, n, records)
+    result["runs"].setdefault(where.name, {})[str(n)] = info
+    run.say(f"{where.name:>9} N={n}", f"{run.seconds:.1f} s", f"load {info['loadavg_after'][0]}"
+            + (f" (TCP check {info['tcp_check']['achieved_gbps']:.3f} Gbit/s)" if "tcp_check" in info else ""))
     return row
 
 
-def _timeline_step(workdir: Path, n: int) -> dict:
+def _timeline_step(workdir: Path, n: int, records: list[dict]) -> dict:
     """One timed step of each schedule, every rank's spans relative to its start (ms):
     the step whose duration on rank 0 is the median of the last round's."""
     out: dict[str, Any] = {}
     for mode in MODES:
-        recs = {}
-        for f in workdir.glob("rank*.jsonl"):
-            for rec in C.read_jsonl(f):
-                if rec.get("kind") == "mode" and rec["mode"] == mode:
-                    recs[rec["rank"]] = rec
+        recs = {rec["rank"]: rec for rec in records if rec.get("kind") == "mode" and rec["mode"] == mode}
         timed = recs[0]["timed_steps"]
         spans0 = recs[0]["breakdown"]
         durations = [(s.get("end_us", s["start_us"]) - s["start_us"], i) for i, s in zip(timed, spans0)]
@@ -528,15 +454,8 @@ def _targets(rows: list[dict]) -> list[dict]:
     return checks
 
 
-_NET_X = {"loopback": None}
-
-
 def _plot_rates(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     networks = sorted({r["network"] for r in rows}, key=lambda nw: (nw == "loopback", NC.parse_rate(nw)
                                                                      if nw != "loopback" else 0))
     labels = [("loopback\n(shared memory)" if nw == "loopback" else f"{NC.parse_rate(nw) / 1e9:g} Gbit/s\n(gRPC)")
@@ -571,10 +490,7 @@ def _plot_rates(path: Path, rows: list[dict]) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("Step time against link rate: sequential, streamed with one apply, streamed with per-gradient apply "
                  "(lower is better)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "hand-off": "#8172b2", "reduce": "#dd8452",
@@ -582,12 +498,9 @@ _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "hand-off": "#8172b2", "
 
 
 def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    plt = report.pyplot()
     n = row["np"]
     sub_rows = ["compute", "hand-off", "reduce", "apply"]
     fig, axes = plt.subplots(len(MODES), 1, figsize=(13, 1.2 + 0.9 * n * len(MODES)), sharex=True)
@@ -631,9 +544,7 @@ def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
     title = ("loopback (shared memory)" if net == "loopback" else f"simulated {NC.parse_rate(net) / 1e9:g} Gbit/s links (gRPC)")
     fig.suptitle(f"One training step per rank, N = {n}, {title}; reduce bars overlap per tensor "
                  f"(T_reduction alone {row['reduction_ms']:.0f} ms)", fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, rect=(0, 0.04, 1, 0.95))
 
 
 
@@ -652,120 +563,89 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample rank 0 with py-spy during one extra streamed round of this cell, e.g. 1gbit:4 "
                         "(summary in the JSON under pyspy_rank0_streamed)")
     p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
-    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
+    cli.add_run_options(p)
     args = p.parse_args(argv)
     if args.worker:
-        return worker_main(args)
+        return jobs.run_worker(args, _measure)
 
-    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
-    wanted = C.parse_list(args.networks, str) if args.networks else (
-        ["loopback", "1gbit"] if args.quick else DEFAULT_NETWORKS)
-    try:
-        for nw in wanted:
-            if nw != "loopback":
-                NC.parse_rate(nw)
-    except NC.NetClusterError as exc:
-        p.error(str(exc))
-    if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
-        p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
+    nps = cli.parse_np(p, args.np, [2] if args.quick else DEFAULT_NP)
+    wanted = cli.parse_networks(p, args.networks, ["loopback", "1gbit"] if args.quick else DEFAULT_NETWORKS)
     global_batch = args.global_batch or (256 if args.quick else 3072)
     if any(global_batch % n for n in nps):
         p.error(f"--global-batch must be divisible by every N. Received: --global-batch {global_batch}, N {nps}")
-    usable, why = NC.netns_usable()
-    networks = [nw for nw in wanted if nw == "loopback" or usable]
-    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    networks, usable, why = placement.usable_networks(wanted)
+    quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
+    cores = report.cores()
     plan = {"global_batch": global_batch, "warmup_steps": 2 if args.quick else 3,
             "rounds": args.rounds or (1 if args.quick else 2), "steps_per_round": args.steps or (3 if args.quick else 5),
             "reduce_reps": 3 if args.quick else 7, "rate_check_s": 0.3 if args.quick else 1.0,
             "inter_op_threads": args.inter_op_threads, "worker_timeout_s": 560.0,
-            "hostreduce_env": {k: v for k, v in os.environ.items() if k.startswith("HOSTREDUCE_")}}
-    out_dir = Path(args.out)
-    json_path, png_path = out_dir / "overlap.json", out_dir / "overlap.png"
-    result: dict[str, Any] = {
-        "benchmark": "overlap",
-        "description": "MLP 512-768x8-10 (4.5M float32 parameters, 18 gradient tensors), Adam on the host; "
-                       "Estimator + hostreduce ring; sequential (stream_gradients=False), streamed with the host "
-                       "apply after the last reduction (host_apply='once') and streamed with per-gradient apply, "
-                       "alternating in the same workers; full gradient set all-reduced alone for T_reduction",
-        "environment": C.environment(packages=("grpcio", "tensorflow", "keras"),
-                                     extra={"load_wait": quiet, "namespaces_usable": usable,
-                                            "namespaces_reason": why}),
-        "settings": {"np": nps, "networks": networks, "quick": args.quick, "plan": plan,
-                     "model": {"input": INPUT_DIM, "hidden": HIDDEN, "hidden_layers": LAYERS, "classes": CLASSES,
-                               "dense_layers": LAYERS + 1},
-                     "data": "synthetic: 4 global batches of standard-normal features, uniform labels, repeated",
-                     "intra_op_threads": {str(n): max(1, cores // n) for n in nps},
-                     "definitions": {
-                         "step_ms": "slowest rank's median of timed steps (first step of each train() call dropped)",
-                         "compute_ms": "sequential step - its reduction phase (submit + wait)",
-                         "apply_once_over_streamed": "T_apply_once / T_streamed: what applying each gradient as "
-                                                     "its reduction completes saves over one apply per step",
-                         "reduction_ms": "median over repetitions of the slowest rank's all-reduce of every "
-                                         "gradient tensor, all submitted at once, no compute",
-                         "hidden_fraction": "(T_sequential - T_streamed) / T_reduction",
-                         "streamed_over_bound": "T_streamed / max(T_compute, T_reduction)",
-                         "reduction_cpu_ms": "mean over ranks of the median CPU time (user + system, all threads) "
-                                             "of one worker during the reduction alone",
-                         "hidden_fraction_cpu_bound": "1 - reduction_cpu_ms * max(1, N / cores) / T_reduction: the "
-                                                      "most that can be hidden when the compute fills every core"},
-                     "targets": {"hidden_fraction_1gbit": f">= {TARGET_HIDDEN}",
-                                 "streamed_over_bound_1gbit": f"<= {TARGET_RATIO}"}},
-        "runs": {}, "measurements": [], "targets": [],
-    }
-    if not usable:
-        print(f"network namespaces unavailable ({why}); running the loopback part only", flush=True)
-    print(f"overlap benchmark: networks={networks} np={nps} global batch {global_batch} "
-          f"(results -> {json_path})", flush=True)
-    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-overlap-"))
-    t_start = time.monotonic()
+            "hostreduce_env": report.hostreduce_env()}
+    rep = report.Report(
+        args.out, "overlap", "overlap",
+        "MLP 512-768x8-10 (4.5M float32 parameters, 18 gradient tensors), Adam on the host; "
+        "Estimator + hostreduce ring; sequential (stream_gradients=False), streamed with the host "
+        "apply after the last reduction (host_apply='once') and streamed with per-gradient apply, "
+        "alternating in the same workers; full gradient set all-reduced alone for T_reduction",
+        packages=("grpcio", "tensorflow", "keras"),
+        environment_extra={"load_wait": quiet, "namespaces_usable": usable, "namespaces_reason": why},
+        settings={"np": nps, "networks": networks, "quick": args.quick, "plan": plan,
+                  "model": {"input": INPUT_DIM, "hidden": HIDDEN, "hidden_layers": LAYERS, "classes": CLASSES,
+                            "dense_layers": LAYERS + 1},
+                  "data": "synthetic: 4 global batches of standard-normal features, uniform labels, repeated",
+                  "intra_op_threads": {str(n): max(1, cores // n) for n in nps},
+                  "definitions": {
+                      "step_ms": "slowest rank's median of timed steps (first step of each train() call dropped)",
+                      "compute_ms": "sequential step - its reduction phase (submit + wait)",
+                      "apply_once_over_streamed": "T_apply_once / T_streamed: what applying each gradient as "
+                                                  "its reduction completes saves over one apply per step",
+                      "reduction_ms": "median over repetitions of the slowest rank's all-reduce of every "
+                                      "gradient tensor, all submitted at once, no compute",
+                      "hidden_fraction": "(T_sequential - T_streamed) / T_reduction",
+                      "streamed_over_bound": "T_streamed / max(T_compute, T_reduction)",
+                      "reduction_cpu_ms": "mean over ranks of the median CPU time (user + system, all threads) "
+                                          "of one worker during the reduction alone",
+                      "hidden_fraction_cpu_bound": "1 - reduction_cpu_ms * max(1, N / cores) / T_reduction: the "
+                                                   "most that can be hidden when the compute fills every core"},
+                  "targets": {"hidden_fraction_1gbit": f">= {TARGET_HIDDEN}",
+                              "streamed_over_bound_1gbit": f"<= {TARGET_RATIO}"}},
+        runs={}, measurements=[], targets=[])
+    result = rep.result
+    rep.announce(f"overlap benchmark: networks={networks} np={nps} global batch {global_batch}")
     rows: list[dict] = []
     timelines: dict[tuple[str, int], dict] = {}
-    try:
+    with jobs.workroot("hostreduce-bench-overlap-", args.keep_workdir) as workroot:
         for n in nps:
             for network in networks:
                 plan_n = {**plan, "intra_op_threads": max(1, cores // n), "profile": args.profile == f"{network}:{n}"}
-                plan_path = workroot / f"plan-{network}-np{n}.json"
-                plan_path.write_text(json.dumps(plan_n))
+                plan_path = jobs.write_plan(workroot / f"plan-{network}-np{n}.json", plan_n)
                 timeout = args.job_timeout or (150.0 if args.quick else 240.0)
-                if network == "loopback":
-                    row = _run_cell(network, n, None, plan_n, plan_path, workroot, result, timeout)
-                else:
-                    with NC.NetCluster(n, network) as cluster:
-                        row = _run_cell(network, n, cluster, plan_n, plan_path, workroot, result, timeout)
+                with placement.network(network, n) as where:
+                    row = _run_cell(where, n, plan_n, plan_path, workroot, result, timeout)
                 if row is not None:
                     rows.append(row)
                     timelines[(network, n)] = result["runs"][network][str(n)].get("timeline")
                 result["measurements"] = rows
-                C.write_json(json_path, result)
-    finally:
-        if args.keep_workdir:
-            print(f"worker files kept in {workroot}")
-        else:
-            shutil.rmtree(workroot, ignore_errors=True)
+                rep.save()
     result["targets"] = _targets(rows)
-    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
-    result["environment"]["loadavg_at_end"] = C.loadavg()
-    C.write_json(json_path, result)
-    if not args.no_plot and rows:
-        _plot_rates(png_path, rows)
+
+    def plot(path: Path) -> None:
+        _plot_rates(path, rows)
         for row in rows:
             tl = timelines.get((row["network"], row["np"]))
             if tl:
-                _plot_timeline(out_dir / f"overlap.timeline.{row['network']}-np{row['np']}.png", row, tl)
+                _plot_timeline(rep.out_dir / f"overlap.timeline.{row['network']}-np{row['np']}.png", row, tl)
         main_tl = next((r for r in rows if r["network"] == "1gbit" and r["np"] == max(nps)), rows[-1])
         if timelines.get((main_tl["network"], main_tl["np"])):
-            _plot_timeline(out_dir / "overlap.timeline.png", main_tl, timelines[(main_tl["network"], main_tl["np"])])
-    _print_tables(rows)
-    if result["targets"]:
-        print()
-        for t in result["targets"]:
-            print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']})")
-    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
-          f" in {result['environment']['wall_s']} s")
-    failed = [f"{nw} N={n}" for nw, runs in result["runs"].items() for n, info in runs.items()
-              if info["status"] != "ok"]
-    return 1 if failed else 0
+            _plot_timeline(rep.out_dir / "overlap.timeline.png", main_tl,
+                           timelines[(main_tl["network"], main_tl["np"])])
+
+    def show() -> None:
+        _print_tables(rows)
+        report.print_targets(result["targets"])
+
+    rep.close(plot=plot if rows else None, no_plot=args.no_plot, show=show)
+    return report.exit_status(result["runs"])
 
 
 if __name__ == "__main__":

@@ -45,20 +45,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
-import shutil
 import statistics
 import sys
-import tempfile
-import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as C  # noqa: E402
+from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
 
 MODES = ("sync", "async", "tf", "allreduce", "sync@A")
 DETAILS = {
@@ -77,78 +72,21 @@ TARGET_RATIO = 1.0             # sync examples/s / tf examples/s
 # =========================================================================== jobs
 
 
-def _env() -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    # The chief registers a large table on the ps (tens of seconds at 4M rows on a busy
-    # machine) while the other worker waits in a collective: more than the default 30 s.
-    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-            "HOSTREDUCE_TRANSPORT": "grpc", "HOSTREDUCE_TIMEOUT_S": "180"}
+# The chief registers a large table on the ps (tens of seconds at 4M rows on a busy machine)
+# while the other worker waits in a collective: more than the default 30 s.
+ENV = {"HOSTREDUCE_TRANSPORT": "grpc", "HOSTREDUCE_TIMEOUT_S": "180"}
 
 
-def _argv(role: str, plan_path: Path, workdir: Path, cell: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--role", role, "--plan", str(plan_path),
-            "--workdir", str(workdir), "--cell", cell]
-
-
-def _job(cell: dict, plan: dict, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
-    mode, name = cell["mode"], cell["name"]
-    env = _env()
-    ps, workers = plan["ps"], plan["workers"]
+def _layout(mode: str, ps: int, workers: int) -> tuple[peers.Peer, list[tuple[str, int]], Any]:
+    """The peer of ``mode``, its tasks in start order, and each task's role (``--role``)."""
     if mode == "allreduce":
-        addresses = [f"127.0.0.1:{p}" for p in C.free_ports(workers)]
-        secret = secrets.token_hex(16)
-        envs = [{**env, "HOSTREDUCE_SECRET": secret, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(workers)]
-        return C.WorkerJob(name, [_argv(f"worker{r}", plan_path, workdir, name) for r in range(workers)], envs,
-                           workdir, timeout_s)
-    ports = iter(C.free_ports(ps + workers + 1))
-    if mode == "tf":
-        cluster = {"chief": [f"localhost:{next(ports)}"],
-                   "worker": [f"localhost:{next(ports)}" for _ in range(workers)],
-                   "ps": [f"localhost:{next(ports)}" for _ in range(ps)]}
-        tasks = [("ps", i) for i in range(ps)] + [("worker", i) for i in range(workers)] + [("chief", 0)]
-        env["PS_BENCH_TIMEOUT_S"] = str(int(timeout_s))
-    else:
-        cluster = {"chief": [f"127.0.0.1:{next(ports)}"],
-                   "worker": [f"127.0.0.1:{next(ports)}" for _ in range(workers - 1)],
-                   "ps": [f"127.0.0.1:{next(ports)}" for _ in range(ps)]}
-        tasks = [("ps", i) for i in range(ps)] + [("chief", 0)] + [("worker", i) for i in range(workers - 1)]
-        env["HOSTREDUCE_SECRET"] = secrets.token_hex(16)
-    argvs, envs = [], []
-    for task, index in tasks:
-        if mode == "tf":
-            role = "coordinator" if task == "chief" else f"{task}{index}"
-        else:  # hostreduce: the chief is worker 0
-            role = f"ps{index}" if task == "ps" else f"worker{index + (task == 'worker')}"
-        argvs.append(_argv(role, plan_path, workdir, name))
-        envs.append({**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task, "index": index}})})
-    return C.WorkerJob(name, argvs, envs, workdir, timeout_s)
-
-
-class _MemorySampler:
-    """Peak VmRSS of every process that wrote a ``pid.<role>`` file in ``workdir``."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir, self.peak_mb = workdir, {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            for f in self.workdir.glob("pid.*"):
-                try:
-                    pid = int(f.read_text())
-                    with open(f"/proc/{pid}/status") as status:
-                        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-                except (OSError, ValueError, StopIteration):
-                    continue
-                role = f.name[4:]
-                self.peak_mb[role] = max(self.peak_mb.get(role, 0.0), round(rss / 1024, 1))
-
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join(5)
-        return dict(sorted(self.peak_mb.items()))
+        return peers.HOSTREDUCE_RING, [], lambda rank: f"worker{rank}"
+    if mode == "tf":  # the chief is the coordinator
+        layout = [("ps", i) for i in range(ps)] + [("worker", i) for i in range(workers)] + [("chief", 0)]
+        return peers.TF_PS, layout, lambda t: "coordinator" if t[0] == "chief" else f"{t[0]}{t[1]}"
+    # hostreduce: the chief is worker 0
+    layout = [("ps", i) for i in range(ps)] + [("chief", 0)] + [("worker", i) for i in range(workers - 1)]
+    return peers.HOSTREDUCE_PS, layout, lambda t: f"ps{t[1]}" if t[0] == "ps" else f"worker{t[1] + (t[0] == 'worker')}"
 
 
 def _measure(cell: dict, plan: dict, workdir: Path) -> dict[str, Any]:
@@ -187,32 +125,22 @@ def _measure(cell: dict, plan: dict, workdir: Path) -> dict[str, Any]:
 
 def _run(cell: dict, plan: dict, workroot: Path, result: dict, timeout_s: float) -> dict | None:
     workdir = workroot / cell["name"].replace("@", "-at-")
-    workdir.mkdir()
-    plan_path = workdir / "plan.json"
-    plan_path.write_text(json.dumps({**plan, "cells": {cell["name"]: cell}}))
-    info: dict[str, Any] = {"mode": cell["mode"], "vocab": cell["vocab"], "loadavg_before": C.loadavg()}
-    sampler = _MemorySampler(workdir)
-    try:
-        res = C.run_job(_job(cell, plan, plan_path, workdir, timeout_s))
-    finally:
-        (workdir / "done").write_text("")  # the TF servers end once they see it
-        info["peak_rss_mb"] = sampler.stop()
-    info.update(seconds=round(res.seconds, 1), loadavg_after=C.loadavg(), status="ok" if res.ok else "error")
+    plan_path = jobs.write_plan(workdir / "plan.json", {**plan, "cells": {cell["name"]: cell}})
+    peer, layout, role = _layout(cell["mode"], plan["ps"], plan["workers"])
+    argv = lambda slot: jobs.worker_argv(__file__, "--role", role(slot), "--cell", cell["name"],  # noqa: E731
+                                         plan=plan_path, workdir=workdir)
+    env = {**ENV, **({"PS_BENCH_TIMEOUT_S": str(int(timeout_s))} if cell["mode"] == "tf" else {})}
+    run = peers.run(peer, placement.Loopback(), plan["workers"], argv, workdir, timeout_s, env=env, layout=layout,
+                    info={"mode": cell["mode"], "vocab": cell["vocab"]}, rss=True)
+    info = run.info
     row = None
-    if res.ok:
+    if run.ok:
         try:
             row = {"mode": cell["name"], "vocab": cell["vocab"], **_measure(cell, plan, workdir)}
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            info.update(status="error", error=f"{type(exc).__name__}: {exc}")
-    else:
-        errors = sorted(workdir.glob("error.*"))
-        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
-                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
+            run.fail(f"{type(exc).__name__}: {exc}")
     result["runs"][cell["name"]] = info
-    msg = f"  {cell['name']:>9} (table {cell['vocab']:,} rows): {info['status']}, {res.seconds:.1f} s"
-    if info["status"] != "ok":
-        msg += f" -- {info.get('error')}: {(info.get('worker_error') or '').strip().splitlines()[-1:]}"
-    print(msg, flush=True)
+    run.say(f"{cell['name']:>9} (table {cell['vocab']:,} rows)", f"{run.seconds:.1f} s")
     if row is not None:
         row["peak_rss_mb"] = info["peak_rss_mb"]
     return row
@@ -292,11 +220,7 @@ def _print(rows: list[dict], ratios: list[dict], targets: list[dict], plan: dict
 
 
 def _plot(path: Path, rows: list[dict], plan: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     labels = [f"{r['mode']}\n{r['vocab'] / 1e6:g}M rows" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     axes[0].bar(labels, [r["examples_per_s"] for r in rows], color="tab:blue")
@@ -311,44 +235,27 @@ def _plot(path: Path, rows: list[dict], plan: dict) -> None:
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"recommender, dim {plan['dim']}, batch {plan['batch']}/worker, {plan['ps']} ps + {plan['workers']} "
                  f"workers on {os.cpu_count()} shared cores")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 # =========================================================================== main
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    from benchmarks import _ps_tasks as T
+def _task(role: str, cell_name: str, plan: dict, workdir: Path) -> None:
+    from benchmarks.impls import ps_tasks as T
 
-    workdir = Path(args.workdir)
-    (workdir / f"pid.{args.role}").write_text(str(os.getpid()))
-    plan = json.loads(Path(args.plan).read_text())
-    cell = plan["cells"][args.cell]
-    try:
-        if cell["mode"] == "tf":
-            if args.role == "coordinator":
-                try:
-                    T.tf_coordinator_task(plan, cell, workdir)
-                finally:
-                    (workdir / "done").write_text("")  # the servers end once they see it
-                sys.stdout.flush()
-                os._exit(0)  # the coordinator's threads would keep the process alive
-            else:
-                T.tf_server_task(workdir)
-        else:
-            T.hostreduce_task(plan, cell, workdir)
-    except SystemExit as exc:  # a hostreduce ps task ends its process this way when the job ends
-        if exc.code in (None, 0):
-            return 0
-        (workdir / f"error.{args.role}").write_text(f"SystemExit: {exc.code}\n\n{traceback.format_exc()}")
-        return 3
-    except BaseException as exc:
-        (workdir / f"error.{args.role}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
-        return 3
-    return 0
+    cell = plan["cells"][cell_name]
+    if cell["mode"] != "tf":
+        T.hostreduce_task(plan, cell, workdir)  # a ps task ends its process with SystemExit(0) when the job ends
+    elif role == "coordinator":
+        try:
+            T.tf_coordinator_task(plan, cell, workdir)
+        finally:
+            (workdir / "done").write_text("")  # the servers end once they see it
+        sys.stdout.flush()
+        os._exit(0)  # the coordinator's threads would keep the process alive
+    else:
+        T.tf_server_task(workdir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,14 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="parameter_server", help="results file stem")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--cell", help=argparse.SUPPRESS)
-    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
+    cli.add_run_options(p)
     args = p.parse_args(argv)
     if args.worker:
-        return worker_main(args)
-    modes = C.parse_list(args.modes, str)
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        p.error(f"--modes must be among {list(MODES)}. Received: {modes}")
+        return jobs.run_worker(args, lambda plan, workdir: _task(args.role, args.cell, plan, workdir), label=args.role,
+                               watchdog=False)
+    modes = cli.parse_choices(p, "--modes", args.modes, MODES)
     q = args.quick
     vocab = args.vocab or (20_000 if q else 1_000_000)
     small = args.allreduce_vocab or (5_000 if q else 100_000)
@@ -392,41 +297,32 @@ def main(argv: list[str] | None = None) -> int:
     cells = [{"name": m, "mode": m.split("@")[0], "vocab": small if m in ("allreduce", "sync@A") else vocab}
              for m in MODES if m in modes]
     timeout_s = args.job_timeout or (150.0 if q else 600.0)
-    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
-    result: dict[str, Any] = {
-        "benchmark": "parameter_server",
-        "description": "examples/s and bytes per worker step of the recommender example (wide-and-deep, Adam) under "
-                       "hostreduce's parameter servers (sync, async), TensorFlow's ParameterServerStrategy and dense "
-                       "all-reduce; every process on this machine's shared cores (CPU-bound figures)",
-        "environment": C.environment(packages=("tensorflow", "keras", "grpcio"), extra={"load_wait": quiet}),
-        "settings": {**plan, "vocab": vocab, "allreduce_vocab": small, "modes": {c["name"]: DETAILS[c["name"]]
-                                                                              for c in cells},
-                     "quick": q, "table_bytes": _table_bytes(vocab, plan["dim"]),
-                     "bytes_measure": "per worker: TCP bytes acknowledged + received on the worker process's sockets "
-                                      "(ss -tinp), summed over workers / steps they trained; hostreduce also: the ps "
-                                      "client's packed message bytes"},
-        "runs": {}, "measurements": [],
-    }
-    workroot = Path(tempfile.mkdtemp(prefix="ps-bench-"))
-    print(f"parameter_server: modes {', '.join(c['name'] for c in cells)}; workdir {workroot}", flush=True)
-    try:
+    quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
+    rep = report.Report(
+        args.out, args.name, "parameter_server",
+        "examples/s and bytes per worker step of the recommender example (wide-and-deep, Adam) under "
+        "hostreduce's parameter servers (sync, async), TensorFlow's ParameterServerStrategy and dense "
+        "all-reduce; every process on this machine's shared cores (CPU-bound figures)",
+        packages=("tensorflow", "keras", "grpcio"), environment_extra={"load_wait": quiet},
+        settings={**plan, "vocab": vocab, "allreduce_vocab": small, "modes": {c["name"]: DETAILS[c["name"]]
+                                                                           for c in cells},
+                  "quick": q, "table_bytes": _table_bytes(vocab, plan["dim"]),
+                  "bytes_measure": "per worker: TCP bytes acknowledged + received on the worker process's sockets "
+                                   "(ss -tinp), summed over workers / steps they trained; hostreduce also: the ps "
+                                   "client's packed message bytes"},
+        runs={}, measurements=[])
+    result = rep.result
+    with jobs.workroot("ps-bench-", args.keep_workdir) as workroot:
+        print(f"parameter_server: modes {', '.join(c['name'] for c in cells)}; workdir {workroot}", flush=True)
         for cell in cells:
             row = _run(cell, plan, workroot, result, timeout_s)
             if row is not None:
                 result["measurements"].append(row)
-    finally:
-        if not args.keep_workdir:
-            shutil.rmtree(workroot, ignore_errors=True)
     rows = result["measurements"]
     result["ratios"], result["targets"] = _report(rows, plan)
-    result["environment"]["loadavg_at_end"] = C.loadavg()
-    _print(rows, result["ratios"], result["targets"], plan)
-    out = Path(args.out)
-    C.write_json(out / f"{args.name}.json", result)
-    if not args.no_plot and rows:
-        _plot(out / f"{args.name}.png", rows, plan)
-    print(f"\nwrote {out / (args.name + '.json')}", flush=True)
-    return 0 if all(r["status"] == "ok" for r in result["runs"].values()) else 1
+    rep.close(plot=(lambda path: _plot(path, rows, plan)) if rows else None, no_plot=args.no_plot,
+              show=lambda: _print(rows, result["ratios"], result["targets"], plan), wall=False)
+    return report.exit_status(result["runs"])
 
 
 if __name__ == "__main__":

@@ -23,30 +23,25 @@ namespaces; without it only the loopback part runs (and says so).
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
-import os
-import secrets
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks._common` importable
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _common as C  # noqa: E402
 from benchmarks import netcluster as NC  # noqa: E402
+from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
+from benchmarks.harness.measure import (MiB, bus_bandwidth_factor, choose_reps, format_size,  # noqa: E402
+                                        link_bound_ms, time_op)
 
 DEFAULT_NP = [2, 3, 4, 5, 6, 7, 8]
-DEFAULT_SIZES = [16 * C.MiB, 64 * C.MiB]
+DEFAULT_SIZES = [16 * MiB, 64 * MiB]
 DEFAULT_RATES = ["1gbit", "10gbit"]
-QUICK_SIZES = [1 * C.MiB]
-RING_PORT = 29500
+QUICK_SIZES = [1 * MiB]
 TARGET_RATIO = 0.85  # bound / time at the largest N, on the 1 Gbit/s links
 TARGET_FLAT = 0.9    # ratio at the largest N over the ratio at N = 2
 
@@ -54,98 +49,50 @@ TARGET_FLAT = 0.9    # ratio at the largest N over the ratio at N = 2
 # =========================================================================== worker
 
 
-def worker_main(args: argparse.Namespace) -> int:
-    plan = json.loads(Path(args.plan).read_text())
-    workdir = Path(args.workdir)
-    faulthandler.dump_traceback_later(plan["worker_timeout_s"], exit=True)
-    rank_hint = args.rank
-    (workdir / f"pid.{rank_hint}").write_text(str(os.getpid()))
-    try:
-        import numpy as np
-        from hostreduce.cluster import resolve_cluster
-        from hostreduce.config import Config
-        from hostreduce.reducers import create_reducer
+def _measure(plan: dict, workdir: Path) -> None:
+    from benchmarks.impls.collectives import Ring
 
-        t0 = time.perf_counter()
-        reducer = create_reducer("ring", cluster=resolve_cluster(), config=Config.from_env(transport="grpc"))
-        connect_s = time.perf_counter() - t0
-    except BaseException as exc:
-        (workdir / f"error.{rank_hint}").write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
-        return 3
-    rank, size = reducer.rank, reducer.size
-    agree = np.zeros(1, np.float64)
-    expected = size * (size + 1) / 2.0
+    ring = Ring("grpc")
+    rank, size = ring.rank, ring.size
     with open(workdir / f"rank{rank}.jsonl", "a") as out:
-        out.write(json.dumps({"kind": "hello", "rank": rank, "size": size, "connect_s": round(connect_s, 3)}) + "\n")
+        out.write(json.dumps({"kind": "hello", "rank": rank, "size": size, "connect_s": round(ring.connect_s, 3)})
+                  + "\n")
         out.flush()
         for nbytes in plan["sizes"]:
-            buf = np.empty(nbytes // 4, np.float32)
-            name = f"scale.f32.{buf.size}"
-            buf.fill(rank + 1.0)  # touches every page before timing
-            reducer.allreduce(name, buf, op="sum", out=buf)
-            correct = bool(np.all(buf == expected))
-            buf.fill(0.0)
-            warm = C.time_op(lambda: reducer.allreduce(name, buf, op="sum", out=buf), plan["warmup"])
+            nelem = nbytes // 4
+            cell = ring.prepare(nelem)
+            correct = cell.verify(rank, size, nelem)
+            warm = time_op(cell.run, plan["warmup"])
             # Every rank runs the same number of repetitions: agree on the slowest estimate.
-            agree[0] = min(warm)
-            reducer.allreduce("scale.agree", agree, op="max", out=agree)
-            reps = plan["reps"] or C.choose_reps(float(agree[0]), plan["target_s"], plan["min_reps"],
-                                                 plan["max_reps"])
+            estimate = ring.max_over_ranks(min(warm))
+            reps = plan["reps"] or choose_reps(estimate, plan["target_s"], plan["min_reps"], plan["max_reps"])
             times = []
             for _ in range(reps):
-                reducer.barrier()  # each repetition starts together: time one all-reduce, not a pipeline
+                ring.barrier()  # each repetition starts together: time one all-reduce, not a pipeline
                 t = time.perf_counter()
-                reducer.allreduce(name, buf, op="sum", out=buf)
+                cell.run()
                 times.append(time.perf_counter() - t)
             out.write(json.dumps({"kind": "cell", "rank": rank, "bytes": nbytes, "correct": correct, "reps": reps,
                                   "warmup_ms": [round(x * 1e3, 3) for x in warm],
                                   "times_ms": [round(x * 1e3, 3) for x in times]}) + "\n")
             out.flush()
-            del buf
-    reducer.barrier()
-    reducer.close()
-    faulthandler.cancel_dump_traceback_later()
-    return 0
+            del cell
+    ring.barrier()
+    ring.close()
 
 
 # =========================================================================== coordinator
 
 
-def _worker_argv(plan_path: Path, workdir: Path, rank: int) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--plan", str(plan_path),
-            "--workdir", str(workdir), "--rank", str(rank)]
-
-
-def _common_env() -> dict[str, str]:
-    pythonpath = os.pathsep.join(p for p in (str(C.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "HOSTREDUCE_SECRET": secrets.token_hex(16)}
-
-
-def _loopback_job(n: int, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
-    addresses = [f"127.0.0.1:{p}" for p in C.free_ports(n)]
-    common = _common_env()
-    envs = [{**common, "TF_CONFIG": C.tf_config(addresses, r)} for r in range(n)]
-    return C.WorkerJob(f"loopback-np{n}", [_worker_argv(plan_path, workdir, r) for r in range(n)], envs, workdir,
-                       timeout_s)
-
-
-def _cluster_job(cluster: NC.NetCluster, plan_path: Path, workdir: Path, timeout_s: float) -> C.WorkerJob:
-    common = _common_env()
-    envs = [{**common, **cluster.worker_env(r, RING_PORT)} for r in range(cluster.nworkers)]
-    argvs = [cluster.exec_argv(r, _worker_argv(plan_path, workdir, r)) for r in range(cluster.nworkers)]
-    return C.WorkerJob(f"{cluster.rate}-np{cluster.nworkers}", argvs, envs, workdir, timeout_s)
-
-
 def _summarize(network: str, n: int, rate_bps: float | None, goodput_bps: float | None,
-               workdir: Path) -> list[dict]:
+               records: list[dict]) -> list[dict]:
     cells: dict[int, dict[int, dict]] = {}
     connect = {}
-    for f in workdir.glob("rank*.jsonl"):
-        for rec in C.read_jsonl(f):
-            if rec.get("kind") == "cell":
-                cells.setdefault(rec["bytes"], {})[rec["rank"]] = rec
-            elif rec.get("kind") == "hello":
-                connect[rec["rank"]] = rec["connect_s"]
+    for rec in records:
+        if rec.get("kind") == "cell":
+            cells.setdefault(rec["bytes"], {})[rec["rank"]] = rec
+        elif rec.get("kind") == "hello":
+            connect[rec["rank"]] = rec["connect_s"]
     rows = []
     for nbytes in sorted(cells):
         per_rank = cells[nbytes]
@@ -153,9 +100,9 @@ def _summarize(network: str, n: int, rate_bps: float | None, goodput_bps: float 
             continue
         medians = {r: statistics.median(c["times_ms"]) for r, c in sorted(per_rank.items())}
         t_ms = max(medians.values())
-        busbw = nbytes / (t_ms * 1e-3) * C.bus_bandwidth_factor(n)
+        busbw = nbytes / (t_ms * 1e-3) * bus_bandwidth_factor(n)
         row: dict[str, Any] = {
-            "network": network, "np": n, "bytes": nbytes, "size": C.format_size(nbytes),
+            "network": network, "np": n, "bytes": nbytes, "size": format_size(nbytes),
             "correct": all(c["correct"] for c in per_rank.values()), "reps": per_rank[0]["reps"],
             "time_ms": round(t_ms, 3),
             "min_ms": round(min(min(c["times_ms"]) for c in per_rank.values()), 3),
@@ -165,7 +112,7 @@ def _summarize(network: str, n: int, rate_bps: float | None, goodput_bps: float 
             "connect_s": connect,
         }
         if rate_bps:
-            bound_ms = C.bus_bandwidth_factor(n) * nbytes / (rate_bps / 8) * 1e3
+            bound_ms = link_bound_ms(n, nbytes, rate_bps)
             row.update(link_rate_bps=rate_bps, bound_ms=round(bound_ms, 3),
                        ratio_to_bound=round(bound_ms / t_ms, 4))
             if goodput_bps:
@@ -177,42 +124,28 @@ def _summarize(network: str, n: int, rate_bps: float | None, goodput_bps: float 
 
 def _job_timeout(sizes: list[int], n: int, rate_bps: float | None, plan: dict) -> float:
     # The slowest case (shaped links) bounds each size's repetitions; CPUs add start-up.
-    per_op = [C.bus_bandwidth_factor(n) * s / ((rate_bps or 4e9) / 8) for s in sizes]
+    per_op = [bus_bandwidth_factor(n) * s / ((rate_bps or 4e9) / 8) for s in sizes]
     reps = plan["reps"] or plan["max_reps"]
     return 60.0 + sum(3.0 * t * (reps + plan["warmup"] + 2) for t in per_op)
 
 
-def _run_cell(network: str, n: int, cluster: NC.NetCluster | None, plan: dict, plan_path: Path,
-              workroot: Path, result: dict) -> list[dict]:
-    workdir = workroot / f"{network}-np{n}"
-    workdir.mkdir()
-    info: dict[str, Any] = {"loadavg_before": C.loadavg()}
-    rate_bps = cluster.rate_bps if cluster else None
+def _run_cell(where: Any, n: int, plan: dict, plan_path: Path, workroot: Path, result: dict) -> list[dict]:
+    info: dict[str, Any] = {}
     goodput = None
-    if cluster is not None:
-        check = cluster.measure_rate(0, 1, seconds=plan["rate_check_s"])
-        info["tcp_check"] = check
-        goodput = check["achieved_bps"]
-    timeout = _job_timeout(plan["sizes"], n, rate_bps, plan)
-    job = (_cluster_job(cluster, plan_path, workdir, timeout) if cluster
-           else _loopback_job(n, plan_path, workdir, timeout))
-    res = C.run_job(job)
-    info.update(status="ok" if res.ok else "error", seconds=round(res.seconds, 1),
-                loadavg_after=C.loadavg())
-    if not res.ok:
-        errors = sorted(workdir.glob("error.*"))
-        info.update(error=res.error, worker_error=errors[0].read_text()[-3000:] if errors else None,
-                    log_tail={k: v[-2000:] for k, v in res.logs.items() if v.strip()})
-    rows = _summarize(network, n, rate_bps, goodput, workdir)
+    if where.cluster is not None:
+        info["tcp_check"] = where.measure_rate(plan["rate_check_s"])
+        goodput = info["tcp_check"]["achieved_bps"]
+    workdir = workroot / f"{where.name}-np{n}"
+    argv = lambda rank: jobs.worker_argv(__file__, plan=plan_path, workdir=workdir, rank=rank)  # noqa: E731
+    timeout_s = _job_timeout(plan["sizes"], n, where.rate_bps, plan)
+    run = peers.run(peers.HOSTREDUCE_RING, where, n, argv, workdir, timeout_s, info=info)
+    info = run.info
+    rows = _summarize(where.name, n, where.rate_bps, goodput, run.records())
     for r in rows:
         r["loadavg_before"], r["loadavg_after"] = info["loadavg_before"], info["loadavg_after"]
-    result["runs"].setdefault(network, {})[str(n)] = info
-    msg = f"  {network:>9} N={n}: {info['status']}, {len(rows)}/{len(plan['sizes'])} sizes, {res.seconds:.1f} s"
-    if cluster is not None:
-        msg += f" (TCP check {info['tcp_check']['achieved_gbps']:.3f} Gbit/s)"
-    if not res.ok:
-        msg += f" -- {res.error}: {(info.get('worker_error') or '').splitlines()[:1]}"
-    print(msg, flush=True)
+    result["runs"].setdefault(where.name, {})[str(n)] = info
+    run.say(f"{where.name:>9} N={n}", f"{len(rows)}/{len(plan['sizes'])} sizes", f"{run.seconds:.1f} s"
+            + (f" (TCP check {info['tcp_check']['achieved_gbps']:.3f} Gbit/s)" if "tcp_check" in info else ""))
     return rows
 
 
@@ -225,7 +158,7 @@ def _targets(rows: list[dict], nps: list[int]) -> list[dict]:
             if top not in by_n:
                 continue
             ratio = by_n[top]["ratio_to_bound"]
-            check = {"what": f"{network}, {C.format_size(nbytes)}, N={top}: bound / time",
+            check = {"what": f"{network}, {format_size(nbytes)}, N={top}: bound / time",
                      "value": ratio, "goal": f">= {TARGET_RATIO}", "met": ratio >= TARGET_RATIO,
                      "binding": network == "1gbit"}
             # Unshaped loopback shows what the CPUs allow: below the link rate, the
@@ -239,7 +172,7 @@ def _targets(rows: list[dict], nps: list[int]) -> list[dict]:
             checks.append(check)
             if min(by_n) < top:
                 flat = round(ratio / by_n[min(by_n)]["ratio_to_bound"], 4)
-                checks.append({"what": f"{network}, {C.format_size(nbytes)}: ratio at N={top} / ratio at "
+                checks.append({"what": f"{network}, {format_size(nbytes)}: ratio at N={top} / ratio at "
                                        f"N={min(by_n)} (flatness)", "value": flat, "goal": f">= {TARGET_FLAT}",
                                "met": flat >= TARGET_FLAT, "binding": network == "1gbit"})
     return checks
@@ -248,7 +181,7 @@ def _targets(rows: list[dict], nps: list[int]) -> list[dict]:
 def _print_tables(rows: list[dict], networks: list[str], nps: list[int], sizes: list[int]) -> None:
     index = {(r["network"], r["np"], r["bytes"]): r for r in rows}
     for nbytes in sizes:
-        print(f"\nS = {C.format_size(nbytes)}  (time: slowest rank's median, ms; busbw = S/t*2(N-1)/N, GB/s; "
+        print(f"\nS = {format_size(nbytes)}  (time: slowest rank's median, ms; busbw = S/t*2(N-1)/N, GB/s; "
               "ratio = bound/time, bound = 2(N-1)/N*S/B)")
         head = f"{'N':>3} " + "".join(
             f"| {nw + ' time':>13} {'busbw':>7} {'bound':>9} {'ratio':>6} " if nw != "loopback"
@@ -271,11 +204,7 @@ def _print_tables(rows: list[dict], networks: list[str], nps: list[int], sizes: 
 
 
 def _plot(path: Path, rows: list[dict], networks: list[str], sizes: list[int], cpu_count: int | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, (ax_bw, ax_ratio) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = {nw: f"C{k}" for k, nw in enumerate(networks)}  # one colour per network, one style per size
     styles = ["-", "--", ":", "-."]
@@ -286,7 +215,7 @@ def _plot(path: Path, rows: list[dict], networks: list[str], sizes: list[int], c
                          if r["network"] == nw and r["bytes"] == nbytes)
             if not pts:
                 continue
-            label = f"{nw}, {C.format_size(nbytes)}"
+            label = f"{nw}, {format_size(nbytes)}"
             style = dict(color=colors[nw], ls=styles[k % 4], marker=markers[k % 4], markersize=5, label=label)
             ax_bw.plot([p[0] for p in pts], [p[1] for p in pts], **style)
             if nw != "loopback":
@@ -307,10 +236,7 @@ def _plot(path: Path, rows: list[dict], networks: list[str], sizes: list[int], c
         ax.legend(fontsize=8)
     fig.suptitle(f"All-reduce scaling on a simulated cluster: N workers on one {cpu_count}-core machine "
                  "(higher is better)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 
@@ -326,92 +252,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-s", type=float, default=2.0, help="timed seconds per cell when adapting reps")
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=30)
-    C.add_run_options(p, str(Path(__file__).resolve().parent / "results"))
+    cli.add_run_options(p)
     args = p.parse_args(argv)
     if args.worker:
-        return worker_main(args)
+        return jobs.run_worker(args, _measure)
 
-    nps = C.parse_list(args.np, int) if args.np else ([2] if args.quick else DEFAULT_NP)
-    if any(not NC.MIN_WORKERS <= n <= NC.MAX_WORKERS for n in nps):
-        p.error(f"--np values must be from {NC.MIN_WORKERS} to {NC.MAX_WORKERS}. Received: {nps}")
-    try:
-        sizes = sorted(set(C.parse_list(args.sizes, C.parse_size))) if args.sizes else (
-            QUICK_SIZES if args.quick else DEFAULT_SIZES)
-        rates = C.parse_list(args.rates, str) if args.rates else (["1gbit"] if args.quick else DEFAULT_RATES)
-        for r in rates:
-            NC.parse_rate(r)
-    except (ValueError, NC.NetClusterError) as exc:
-        p.error(str(exc))
-    if any(s % 4 for s in sizes):
-        p.error(f"--sizes must be multiples of 4 bytes (float32). Received: {sizes}")
-    out_dir = Path(args.out)
-    json_path, png_path = out_dir / "scale.json", out_dir / "scale.png"
-
-    usable, why = NC.netns_usable()
-    networks = ([] if args.no_loopback else ["loopback"]) + (rates if usable else [])
-    quiet = C.wait_for_quiet(args.max_load, args.max_wait_s) if args.max_load else None
+    nps = cli.parse_np(p, args.np, [2] if args.quick else DEFAULT_NP)
+    sizes = cli.parse_sizes(p, args.sizes, QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    rates = cli.parse_networks(p, args.rates, ["1gbit"] if args.quick else DEFAULT_RATES)
+    networks, usable, why = placement.usable_networks(([] if args.no_loopback else ["loopback"]) + rates)
+    quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
     plan = {"sizes": sizes, "reps": args.reps if args.reps is not None else (2 if args.quick else None),
             "warmup": 1, "target_s": args.target_s, "min_reps": args.min_reps, "max_reps": args.max_reps,
             "rate_check_s": 0.3 if args.quick else 1.0, "worker_timeout_s": 550.0}
-    result: dict[str, Any] = {
-        "benchmark": "scale",
-        "description": "float32 all-reduce (sum, in place) with hostreduce's ring over gRPC, one worker per "
-                       "network namespace, links shaped to B per direction; time = slowest rank's median",
-        "environment": C.environment(packages=("grpcio",), extra={"load_wait": quiet,
-                                                                  "namespaces_usable": usable,
-                                                                  "namespaces_reason": why}),
-        "settings": {"np": nps, "sizes": sizes, "rates": rates, "networks": networks, "quick": args.quick,
-                     "plan": plan, "transport": "grpc", "bound": "2(N-1)/N * S / B",
-                     "target": {"ratio_to_bound_at_max_np": TARGET_RATIO, "flatness": TARGET_FLAT},
-                     "netcluster": {"subnet": NC.DEFAULT_SUBNET, "shaping": "tbf on both ends of every link, "
-                                    "burst 256kb per Gbit/s, latency 50ms", "mtu": 1500}},
-        "runs": {}, "measurements": [], "targets": [],
-    }
-    if not usable:
-        print(f"network namespaces unavailable ({why}); running the loopback part only", flush=True)
-    print(f"scale benchmark: networks={networks} np={nps} sizes={[C.format_size(s) for s in sizes]} "
-          f"(results -> {json_path})", flush=True)
-    workroot = Path(tempfile.mkdtemp(prefix="hostreduce-bench-scale-"))
-    plan_path = workroot / "plan.json"
-    plan_path.write_text(json.dumps(plan))
-    t_start = time.monotonic()
+    rep = report.Report(
+        args.out, "scale", "scale",
+        "float32 all-reduce (sum, in place) with hostreduce's ring over gRPC, one worker per "
+        "network namespace, links shaped to B per direction; time = slowest rank's median",
+        packages=("grpcio",), environment_extra={"load_wait": quiet, "namespaces_usable": usable,
+                                                 "namespaces_reason": why},
+        settings={"np": nps, "sizes": sizes, "rates": rates, "networks": networks, "quick": args.quick,
+                  "plan": plan, "transport": "grpc", "bound": "2(N-1)/N * S / B",
+                  "target": {"ratio_to_bound_at_max_np": TARGET_RATIO, "flatness": TARGET_FLAT},
+                  "netcluster": {"subnet": NC.DEFAULT_SUBNET, "shaping": "tbf on both ends of every link, "
+                                 "burst 256kb per Gbit/s, latency 50ms", "mtu": 1500}},
+        runs={}, measurements=[], targets=[])
+    result = rep.result
+    rep.announce(f"scale benchmark: networks={networks} np={nps} sizes={[format_size(s) for s in sizes]}")
     rows: list[dict] = []
-    try:
+    with jobs.workroot("hostreduce-bench-scale-", args.keep_workdir) as workroot:
+        plan_path = jobs.write_plan(workroot / "plan.json", plan)
         for n in nps:
             for network in networks:
-                if network == "loopback":
-                    rows += _run_cell(network, n, None, plan, plan_path, workroot, result)
-                else:
-                    with NC.NetCluster(n, network) as cluster:
-                        result["settings"]["netcluster"].setdefault("burst", {})[network] = cluster.burst
-                        rows += _run_cell(network, n, cluster, plan, plan_path, workroot, result)
+                with placement.network(network, n) as where:
+                    if where.cluster is not None:
+                        result["settings"]["netcluster"].setdefault("burst", {})[network] = where.cluster.burst
+                    rows += _run_cell(where, n, plan, plan_path, workroot, result)
                 result["measurements"] = rows
-                C.write_json(json_path, result)
-    finally:
-        if args.keep_workdir:
-            print(f"worker files kept in {workroot}")
-        else:
-            shutil.rmtree(workroot, ignore_errors=True)
+                rep.save()
     result["targets"] = _targets(rows, nps)
-    result["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
-    result["environment"]["loadavg_at_end"] = C.loadavg()
-    C.write_json(json_path, result)
-    if not args.no_plot and rows:
-        _plot(png_path, rows, networks, sizes, result["environment"]["cpu_count"])
-    _print_tables(rows, networks, nps, sizes)
-    if result["targets"]:
-        print()
-        for t in result["targets"]:
-            note = ""
-            if "cpu_bound" in t:
-                note = (f"; loopback busbw / B = {t['loopback_busbw_over_link_rate']}"
-                        + (": this machine's CPUs, not the link, bound it" if t["cpu_bound"] else ""))
-            print(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']} (goal {t['goal']}){note}")
-    print(f"\nwrote {json_path}" + ("" if args.no_plot else f" and {png_path}") +
-          f" in {result['environment']['wall_s']} s")
-    failed = [f"{nw} N={n}" for nw, runs in result["runs"].items() for n, info in runs.items()
-              if info["status"] != "ok"]
-    return 1 if failed else 0
+
+    def show() -> None:
+        _print_tables(rows, networks, nps, sizes)
+        report.print_targets(result["targets"], note=lambda t: (
+            "" if "cpu_bound" not in t else f"; loopback busbw / B = {t['loopback_busbw_over_link_rate']}"
+            + (": this machine's CPUs, not the link, bound it" if t["cpu_bound"] else "")))
+
+    rep.close(plot=(lambda path: _plot(path, rows, networks, sizes, result["environment"]["cpu_count"]))
+              if rows else None, no_plot=args.no_plot, show=show)
+    return report.exit_status(result["runs"])
 
 
 if __name__ == "__main__":

@@ -21,14 +21,15 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.impls import training
+from benchmarks.impls.training import tf_threads
+
 __all__ = ["socket_bytes", "hostreduce_task", "tf_server_task", "tf_coordinator_task", "example_module"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ADAM = {"beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}  # Keras's defaults, as in the example's Adam
 _PID = re.compile(r"pid=(\d+),")
 _COUNTERS = re.compile(r"\b(bytes_acked|bytes_received):(\d+)")
@@ -36,12 +37,7 @@ _COUNTERS = re.compile(r"\b(bytes_acked|bytes_received):(\d+)")
 
 def example_module() -> Any:
     """``examples/recommender/wide_deep.py``: the model and data every mode trains."""
-    path = str(REPO_ROOT / "examples" / "recommender")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import wide_deep
-
-    return wide_deep
+    return training.example_module("recommender", "wide_deep")
 
 
 def socket_bytes(pids: list[int]) -> dict[int, int]:
@@ -62,19 +58,12 @@ def _write(workdir: Path, name: str, record: dict) -> None:
     (workdir / f"{name}.json").write_text(json.dumps(record))
 
 
-def _threads(plan: dict) -> None:
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(plan["intra_op_threads"])
-    tf.config.threading.set_inter_op_parallelism_threads(plan["inter_op_threads"])
-
-
 # --------------------------------------------------------------------------- hostreduce
 
 
 def hostreduce_task(plan: dict, cell: dict, workdir: Path) -> None:
     """One task of a hostreduce job (ps or training task; the roles come from TF_CONFIG)."""
-    _threads(plan)
+    tf_threads(plan)
     import hostreduce
 
     wd = example_module()
@@ -161,7 +150,7 @@ def tf_coordinator_task(plan: dict, cell: dict, workdir: Path) -> None:
     """The coordinator of TensorFlow's ParameterServerStrategy: the example's model in
     plain TF, Adam applied on the ps (only the batch's rows of the tables, as the
     hostreduce ps do with ``sparse="lazy"``), steps scheduled over the workers."""
-    _threads(plan)
+    tf_threads(plan)
     import tensorflow as tf
 
     wd = example_module()
