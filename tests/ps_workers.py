@@ -11,7 +11,7 @@ import numpy as np
 from hostreduce.errors import PeerLostError
 from hostreduce.ps.client import PSClient
 from hostreduce.ps.server import ParameterServer
-from ps_helpers import model_values, worker_grads
+from tests.ps_helpers import model_values, worker_grads
 
 
 def sync_training(rank, world, addrs, num_ps, secret, config, steps):

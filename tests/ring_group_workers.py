@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-import collectives_check
-from ring_workers import make_reducer
+from tests import collectives_check
+from tests.ring_workers import make_reducer
 
 
 def _error(fn) -> str:

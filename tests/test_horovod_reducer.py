@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import run_mpi  # noqa: E402
+from tests.mpi_workers.mpi_launch import run_mpi
 
 pytestmark = pytest.mark.mpi
 

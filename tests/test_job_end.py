@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import mpi_skip_reason  # noqa: E402
-from script_jobs import Job, Worker, base_env, run_by_hand, run_launcher, run_mpirun  # noqa: E402
+from tests.mpi_workers.mpi_launch import mpi_skip_reason
+from tests.script_jobs import Job, Worker, base_env, run_by_hand, run_launcher, run_mpirun
 
 SCRIPT = Path(__file__).resolve().parent / "job_workers" / "job_end.py"
 TIMEOUT_S = 5.0      # the job's timeout_s

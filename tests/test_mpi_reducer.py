@@ -1,13 +1,11 @@
 """The 'mpi' reducer under mpirun (the mpirun that belongs to mpi4py's MPI library)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import mpi_skip_reason, run_mpi  # noqa: E402
+from tests.mpi_workers.mpi_launch import mpi_skip_reason, run_mpi
 
 pytestmark = pytest.mark.mpi
 

@@ -8,10 +8,10 @@ import secrets
 import numpy as np
 import pytest
 
-import ps_workers as pw
 from hostreduce.launch.runner import free_ports
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
-from ps_helpers import keras_reference, max_rel, model_values
+from tests import ps_workers as pw
+from tests.ps_helpers import keras_reference, max_rel, model_values
 
 
 def _cluster(num_ps):

@@ -15,7 +15,7 @@ from hostreduce.ps import SGD, Adagrad, Adam, VarSpec, from_keras, locate, place
 from hostreduce.ps import checkpoint
 from hostreduce.ps import wire
 from hostreduce.ps.barrier import StepBarrier
-from ps_helpers import LocalCluster, keras_reference, max_rel, model_values, worker_grads
+from tests.ps_helpers import LocalCluster, keras_reference, max_rel, model_values, worker_grads
 
 pytestmark = pytest.mark.timeout(60)
 

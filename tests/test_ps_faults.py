@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import Job, base_env, ps_cluster, run_ps_by_hand  # noqa: E402
+from tests.script_jobs import Job, base_env, ps_cluster, run_ps_by_hand
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from hostreduce.errors import ClusterError, ConfigError
 from hostreduce.launch.runner import free_ports
 from hostreduce.ps import JobFailedError, server_from_env
 from hostreduce.ps.client import PSClient
-from ps_helpers import model_values
+from tests.ps_helpers import model_values
 
 pytestmark = pytest.mark.timeout(60)
 

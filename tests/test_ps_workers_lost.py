@@ -10,14 +10,12 @@ own process started by hand (2 ps, a chief, workers):
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import base_env, run_ps_by_hand  # noqa: E402
+from tests.script_jobs import base_env, run_ps_by_hand
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

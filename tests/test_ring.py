@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ring_workers as w
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
+from tests import ring_workers as w
 
 TRANSPORTS = ["grpc", "shm", "shm-copy"]
 SIZES = [1, 2, 4]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import ring_group_workers as w
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
+from tests import ring_group_workers as w
 
 
 @pytest.mark.timeout(240)

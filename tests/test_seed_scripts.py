@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import random
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import base_env, run_by_hand, run_launcher, run_mpirun  # noqa: E402
+from tests.script_jobs import base_env, run_by_hand, run_launcher, run_mpirun
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

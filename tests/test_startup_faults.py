@@ -10,12 +10,12 @@ import logging
 import numpy as np
 import pytest
 
-import startup_workers as w
 from hostreduce.cluster.tf_config import parse_tf_config
 from hostreduce.config import Config
 from hostreduce.errors import ClusterError, ConfigError
 from hostreduce.launch.runner import free_ports, tf_config
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
+from tests import startup_workers as w
 
 
 @pytest.mark.timeout(120)

@@ -23,9 +23,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from hostreduce.config import Config  # noqa: E402
+from hostreduce.config import Config
 
 
 def make(reducer: str):

@@ -15,20 +15,15 @@ seconds, not a hang). Prints ``OK rank R/N``.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from hostreduce.config import Config  # noqa: E402
-from hostreduce.errors import CollectiveTimeoutError, TensorMismatchError  # noqa: E402
-from hostreduce.reducers.base import Reducer  # noqa: E402
-from reducer_check import make  # noqa: E402
+from hostreduce.config import Config
+from hostreduce.errors import CollectiveTimeoutError, TensorMismatchError
+from hostreduce.reducers.base import Reducer
+from tests.mpi_workers.reducer_check import make
 
 F32 = np.dtype(np.float32)
 
@@ -176,7 +171,7 @@ def run_all(r: Reducer, engine: str) -> None:
     """Every check on ``r`` (of ``engine``; at least two ranks); leaves ``r`` open."""
     rank, size = r.rank, r.size
     try:
-        import collectives_check
+        from tests import collectives_check
     except ImportError:
         collectives_check = None
     if collectives_check is not None:

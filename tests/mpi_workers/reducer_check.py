@@ -13,17 +13,14 @@ Prints ``OK rank R/N`` and exits 0 on success; raises (non-zero exit) otherwise.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from hostreduce.config import Config  # noqa: E402
-from hostreduce.errors import CollectiveTimeoutError, HostReduceError, TensorMismatchError  # noqa: E402
-from hostreduce.reducers.base import SUPPORTED_DTYPES, Reducer  # noqa: E402
+from hostreduce.config import Config
+from hostreduce.errors import CollectiveTimeoutError, HostReduceError, TensorMismatchError
+from hostreduce.reducers.base import SUPPORTED_DTYPES, Reducer
 
 OPS = ("sum", "mean", "min", "max")
 SHAPES = ((), (7,), (3, 5), (100_003,))
@@ -150,7 +147,7 @@ def main() -> None:
     assert (digests == digests[0]).all(), f"results differ across ranks: {digests[:, 0]}"
 
     if size > 1:  # the full collective set, batched into this launch (starting ranks is slow)
-        from collectives_worker import run_all
+        from tests.mpi_workers.collectives_worker import run_all
 
         run_all(r, reducer_name)
         check_timeout(reducer_name, rank)
