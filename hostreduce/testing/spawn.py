@@ -11,8 +11,10 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -20,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..cluster import format_tf_config
 from ..launch.runner import free_ports
+from . import _stacks
 from .preloading import Inherited, rank_context
 
 __all__ = [
@@ -52,15 +55,18 @@ class RankFailedError(AssertionError):
 
 
 class RankTimeoutError(AssertionError):
-    """The timeout elapsed before every rank finished.
+    """The timeout elapsed before every rank finished. The message shows every thread's
+    stack of each rank that had not finished, taken before it was killed.
 
     Attributes:
         ranks: the ranks that had not finished.
+        stacks: those ranks' stacks, by rank.
     """
 
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
+    def __init__(self, message: str, ranks: Sequence[int], stacks: Mapping[int, str] | None = None) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+        self.stacks = dict(stacks or {})
 
 
 class RankOutcome(str):
@@ -73,7 +79,8 @@ class RankOutcome(str):
     Attributes:
         kind: ``error``, ``killed``, ``exited`` or ``timeout``.
         exc_type: name of the exception type (``error`` only, else '').
-        traceback: the formatted traceback (``error`` only, else '').
+        traceback: the formatted traceback (``error``), every thread's stack when the
+            time was up (``timeout``), else ''.
         exitcode: the process exit code (negative signal number when killed), or None.
     """
 
@@ -135,8 +142,11 @@ def _rank_main(
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
     inherited: Inherited | None = None,
+    stacks_path: str | None = None,
 ) -> None:
     """Body of one rank process: set up the environment, run ``fn``, report back."""
+    if stacks_path is not None:  # what the parent reads when this rank does not finish in time
+        _stacks.install(stacks_path)
     try:
         os.setsid()  # Own process group, so the parent can kill whatever this rank starts.
     except OSError:
@@ -228,6 +238,9 @@ def _run(
     ctx, inherited = rank_context(env or {})
     addresses = [f"{_HOST}:{p}" for p in free_ports(world_size, _HOST)] if transport_env else []
     secret = secrets.token_hex(32)
+    stacks_dir = tempfile.mkdtemp(prefix="hostreduce-stacks-")
+    stacks_paths = {rank: os.path.join(stacks_dir, str(rank)) for rank in range(world_size)}
+    stacks: dict[int, str] = {}
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []
     outcomes: dict[int, Any] = {}
@@ -240,7 +253,7 @@ def _run(
                 target=_rank_main,
                 args=(fn, rank, world_size, tuple(args),
                       _rank_env(rank, world_size, addresses, secret, env, transport_env), send_end, os.getpid(),
-                      inherited),
+                      inherited, stacks_paths[rank]),
                 name=f"rank{rank}",
             )
             with _live_lock:
@@ -257,6 +270,7 @@ def _run(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = sorted(pending)
+                stacks = _stacks.collect({r: procs[r] for r in timed_out}, stacks_paths)
                 break
             waitables: list[Any] = [conns[r] for r in pending if r not in closed]
             waitables += [procs[r].sentinel for r in pending]
@@ -294,8 +308,9 @@ def _run(
             _kill(proc)
         for conn in conns:
             conn.close()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     for rank in timed_out:
-        outcomes[rank] = RankOutcome("timeout", "timeout")
+        outcomes[rank] = RankOutcome("timeout", "timeout", traceback_text=stacks.get(rank, ""))
     for rank in range(world_size):
         outcomes.setdefault(rank, RankOutcome("killed", "killed", exitcode=procs[rank].exitcode))
     return [outcomes[r] for r in range(world_size)], timed_out, first_failed
@@ -328,7 +343,8 @@ def run_ranks(
 
     Raises:
         RankFailedError: a rank raised or died; every other rank is killed at once.
-        RankTimeoutError: ``timeout`` elapsed; every rank is killed.
+        RankTimeoutError: ``timeout`` elapsed; every rank is killed, those that had not
+            finished after every thread's stack is taken from them for the message.
     """
     outcomes, timed_out, rank = _run(
         fn, world_size, tuple(args), timeout, env, transport_env, stop_on_failure=True
@@ -341,9 +357,12 @@ def run_ranks(
             message = f"rank {rank} of {world_size} died without returning a result ({out}, exit code {out.exitcode})"
         raise RankFailedError(message, rank, out.exc_type or out.kind, out.traceback)
     if timed_out:
+        stacks = {r: outcomes[r].traceback for r in timed_out}
         raise RankTimeoutError(
-            f"ranks {timed_out} of {world_size} had not finished after {timeout:g} s; all ranks were killed",
-            timed_out,
+            f"ranks {timed_out} of {world_size} had not finished after {timeout:g} s; all ranks were killed. "
+            "Every thread's stack of each when the time was up:\n"
+            + "".join(f"\n--- rank {r} ---\n{stacks[r]}\n" for r in timed_out),
+            timed_out, stacks,
         )
     return outcomes
 
@@ -363,7 +382,8 @@ def run_ranks_allow_failure(
         One entry per rank, in rank order: the rank's return value, or a
         :class:`RankOutcome` string: ``"<ExceptionType>: <message>"`` when it raised,
         ``"killed"`` when a signal killed it, ``"exited with code N"`` when it exited
-        without returning, ``"timeout"`` when it had not finished within ``timeout``.
+        without returning, ``"timeout"`` when it had not finished within ``timeout``
+        (its ``traceback``: every thread's stack then).
     """
     outcomes, _, _ = _run(fn, world_size, tuple(args), timeout, env, transport_env, stop_on_failure=False)
     return outcomes
