@@ -1,6 +1,6 @@
 """Parameter servers and workers as separate processes on localhost (the spawn harness
 of the ring tests): sync training equals global-batch Keras training, and a killed ps
-makes every worker fail within timeout_s with an error naming it."""
+makes every worker fail with an error naming it (within timeout_s: the perf test)."""
 from __future__ import annotations
 
 import secrets
