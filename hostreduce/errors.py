@@ -5,6 +5,8 @@ callers can catch the whole family at once and still tell the causes apart.
 """
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 __all__ = [
     "HostReduceError",
     "ConfigError",
@@ -22,6 +24,8 @@ __all__ = [
     "HorovodUnavailableError",
     "WireError",
     "JobFailedError",
+    "RankFailedError",
+    "RankTimeoutError",
 ]
 
 
@@ -90,3 +94,38 @@ class WireError(HostReduceError, ValueError):
 
 class JobFailedError(HostReduceError):
     """The job a ps task served ended by a failure (the chief's, or the chief was lost)."""
+
+
+class RankFailedError(HostReduceError, AssertionError):
+    """A rank of ``hostreduce.testing.run_ranks`` raised an exception or died; its
+    traceback is part of the message. An ``AssertionError`` too, so a test reports it
+    as a failure.
+
+    Attributes:
+        rank: the rank that failed.
+        exc_type: name of the exception type (e.g. ``PeerLostError``), or ``killed`` /
+            ``exited`` when the process died without reporting.
+        traceback: the rank's formatted traceback ('' when it died without one).
+    """
+
+    def __init__(self, message: str, rank: int, exc_type: str, traceback_text: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.traceback = traceback_text
+
+
+class RankTimeoutError(HostReduceError, AssertionError):
+    """``hostreduce.testing.run_ranks``'s timeout elapsed before every rank finished. The
+    message shows every thread's stack of each rank that had not finished, taken before
+    it was killed.
+
+    Attributes:
+        ranks: the ranks that had not finished.
+        stacks: those ranks' stacks, by rank.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int], stacks: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.stacks = dict(stacks or {})

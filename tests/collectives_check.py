@@ -20,15 +20,12 @@ Usage under mpirun: ``python tests/collectives_check.py {mpi|horovod}`` prints
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hostreduce.reducers.base import SUPPORTED_DTYPES, Group, Reducer  # noqa: E402
+from hostreduce.reducers.base import SUPPORTED_DTYPES, Group, Reducer
 
 OPS = ("sum", "mean", "min", "max", "prod")
 RTOL = {"float16": 4e-3, "bfloat16": 3.2e-2, "float32": 2e-6, "float64": 1e-12}

@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 
-import collectives_check
-from ring_workers import make_reducer
+from tests import collectives_check
+from tests.marks import mark, wait_for_marks
+from tests.ring_workers import make_reducer
 
 
 def _error(fn) -> str:
@@ -28,15 +29,17 @@ def check_everything(rank: int, size: int, transport: str) -> str:
         return r.transport
 
 
-def group_mismatch(rank: int, size: int, transport: str) -> dict:
+def group_mismatch(rank: int, size: int, transport: str, marks: str) -> dict:
     """Ranks 0-1 submit "x" on group [0, 1, 2], ranks 2-3 on [1, 2, 3] (ranks 0 and 3
-    late, after the clash is found); then the job goes on."""
+    late, after ranks 1 and 2 found the clash); then the job goes on."""
     with make_reducer(transport) as r:
         g = r.create_group([0, 1, 2] if rank < 2 else [1, 2, 3])
         if rank in (0, 3):
-            time.sleep(0.5)
-        out = {"error": _error(lambda: r.allreduce("x", np.ones(3, np.float32), group=g)),
-               "after": float(r.allreduce("after", np.ones(2, np.float32))[0])}
+            wait_for_marks(marks, ["clash1", "clash2"])
+        error = _error(lambda: r.allreduce("x", np.ones(3, np.float32), group=g))
+        if rank in (1, 2):
+            mark(marks, f"clash{rank}")
+        out = {"error": error, "after": float(r.allreduce("after", np.ones(2, np.float32))[0])}
         r.barrier()
         return out
 
@@ -63,9 +66,6 @@ def die_in_new_collectives(rank: int, size: int, transport: str, victim: int) ->
     r = make_reducer(transport, timeout_s=10.0)
     r.allreduce("warmup", np.ones(1000, np.float32))
     r.barrier()
-    if rank == victim:
-        time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     x = np.ones((size * 5000, 4), np.float32)
     try:
@@ -73,6 +73,8 @@ def die_in_new_collectives(rank: int, size: int, transport: str, victim: int) ->
             r.reduce_scatter(f"rs{i}", x)
             r.reduce(f"r{i}", x, root=i % size)
             r.alltoall(f"a{i}", x)
+            if rank == victim:  # its all-to-all is done: every survivor is in the loop
+                os.kill(os.getpid(), signal.SIGKILL)
             hs = [r.send_async(f"p{i}", x, dst=(rank + 1) % size),
                   r.recv_async(f"p{i}/in", (rank - 1) % size, x.shape, x.dtype)]
             for h in hs:
@@ -99,7 +101,7 @@ def prod_on_every_path(rank: int, size: int, transport: str) -> dict:
                 "floats": [float(big[0]), float(rs[0])], "expect": expect, "stats": r.stats()}
 
 
-def group_waits(rank: int, size: int, transport: str, case: str) -> str:
+def group_waits(rank: int, size: int, transport: str, case: str, marks: str) -> str:
     """``stall``: only rank 0 submits on group [0, 1]; ``unmatched``: groups [0, 1] and
     [2, 3] each submit a different name per rank. Neither may hang."""
     with make_reducer(transport, timeout_s=2.0) as r:
@@ -108,8 +110,9 @@ def group_waits(rank: int, size: int, transport: str, case: str) -> str:
         if case == "stall":
             if rank == 0:
                 err = _error(lambda: r.allreduce("lonely", np.ones(3, np.float32), group=g))
+                mark(marks, "lonely-ended")
             else:  # not waiting on anything meanwhile (then all would be blocked: unmatched)
-                time.sleep(3.5)
+                wait_for_marks(marks, ["lonely-ended"])
                 err = "idle"
         else:
             err = _error(lambda: r.allreduce(f"n{rank}", np.ones(3, np.float32), group=g))

@@ -13,6 +13,7 @@ from hostreduce.cluster import resolve_cluster
 from hostreduce.config import Config
 from hostreduce.reducers import create_reducer
 from hostreduce.reducers.base import SUPPORTED_DTYPES
+from tests.marks import mark, wait_for_marks
 
 
 def make_reducer(transport: str = "auto", **overrides):
@@ -112,13 +113,12 @@ def die_mid_job(rank: int, size: int, transport: str, victim: int) -> str:
     r = make_reducer(transport, timeout_s=10.0)
     r.allreduce("warmup", np.ones(1000, np.float32))
     r.barrier()  # every rank is past the warm-up before the victim dies
-    if rank == victim:
-        time.sleep(0.5)  # let the survivors' barrier complete and their traffic start
-        os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         for i in range(1000):
             r.allreduce(f"t{i}", np.ones(100_000, np.float32))
+            if rank == victim and i == 2:  # t2 is done: every survivor is in its traffic
+                os.kill(os.getpid(), signal.SIGKILL)
         return "no error"
     except Exception as e:
         return f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}"
@@ -191,15 +191,16 @@ def intruders_are_refused(rank: int, size: int) -> dict:
         return {"refused": refused, "other_loopback": other_loopback, "ok": bool(np.all(ok == size))}
 
 
-def one_rank_closes_early(rank: int, size: int, leaver: int) -> str:
+def one_rank_closes_early(rank: int, size: int, leaver: int, marks: str) -> str:
     """A rank that closes its reducer makes the others' next collective fail fast."""
     r = make_reducer("auto", timeout_s=20.0)
     r.allreduce("together", np.ones(8, np.float32))
     r.barrier()
     if rank == leaver:
         r.close()
+        mark(marks, "closed")
         return "left"
-    time.sleep(0.5)
+    wait_for_marks(marks, ["closed"])
     start = time.monotonic()
     try:
         r.allreduce("alone", np.ones(100_000, np.float32))
@@ -240,7 +241,7 @@ def lane_mixed(rank: int, size: int, transport: str, fast_lane: bool) -> dict:
         return {"results": results, "fast": r.stats().get("fast_lane", 0)}
 
 
-def lane_stall_then_recover(rank: int, size: int) -> list[str]:
+def lane_stall_then_recover(rank: int, size: int, marks: str) -> list[str]:
     """Rank 0 submits a blocking all-reduce that rank 1 never submits: rank 0 gets a
     timeout naming rank 1, and the next collectives still run on both ranks."""
     with make_reducer("shm", timeout_s=2.0) as r:
@@ -253,8 +254,9 @@ def lane_stall_then_recover(rank: int, size: int) -> list[str]:
                 out.append("no error")
             except Exception as e:  # the test inspects the type and message
                 out.append(f"{type(e).__name__} after {time.monotonic() - start:.1f}s: {e}")
-        else:
-            time.sleep(3.0)
+            mark(marks, "timed-out")
+        else:  # in no collective meanwhile: the late rank, not a blocked one
+            wait_for_marks(marks, ["timed-out"])
         for i in range(3):
             out.append(str(r.allreduce(f"after{i}", np.full(4, rank + 1.0, np.float32))[0]))
         return out
@@ -267,7 +269,7 @@ def lane_after_async_bursts(rank: int, size: int) -> dict:
     with make_reducer("shm") as r:
         worst, total = 0.0, 0.0
         for step in range(30):
-            time.sleep(0.002 * ((rank + step) % 3))
+            time.sleep(0.002 * ((rank + step) % 3))  # the drift (simulated work), not an ordering
             start = time.monotonic()
             hs = [r.allreduce_async(f"g{i}", np.full(100, float(rank), np.float32)) for i in range(3)]
             for h in hs:
@@ -318,23 +320,27 @@ def short_shm_job(rank: int, size: int, token: str) -> bool:
         return bool(np.all(r.allreduce("x", np.ones(4, np.float32)) == size))
 
 
-def different_names(rank: int, size: int, transport: str) -> dict:
-    """First a collective that rank 1 submits late while rank 0 waits for it (not an
+def different_names(rank: int, size: int, transport: str, marks: str) -> dict:
+    """First a collective that rank 1 submits late while the others wait for it (not an
     error: rank 1 is not waiting meanwhile); then blocking all-reduces under a different
     name on every rank, which must fail at once on every rank; then the ring still works."""
     with make_reducer(transport, timeout_s=20.0) as r:
         r.allreduce("warm", np.ones(4, np.float32))
         r.barrier()
-        start = time.monotonic()
         if rank == 1:
             later = r.allreduce_async("later", np.ones(4, np.float32))
+            wait_for_marks(marks, [f"waiting{q}" for q in range(size) if q != 1])
+            # Rank 1 works elsewhere for a while, the others waiting in "first": the
+            # behaviour under test, far shorter than timeout_s.
             time.sleep(1.5)
+            mark(marks, "rank1-ready")
             first = r.allreduce("first", np.ones(4, np.float32))
             later.wait(30)
         else:
+            mark(marks, f"waiting{rank}")
             first = r.allreduce("first", np.ones(4, np.float32))
             r.allreduce("later", np.ones(4, np.float32))
-        late_s = time.monotonic() - start
+        waited = os.path.exists(os.path.join(marks, "rank1-ready"))  # "first" ended only once rank 1 came
         r.barrier()
         start = time.monotonic()
         try:
@@ -344,7 +350,7 @@ def different_names(rank: int, size: int, transport: str) -> dict:
             err = f"{type(e).__name__}: {e}"
         took = time.monotonic() - start
         after = r.allreduce("after", np.full(4, rank + 1.0, np.float32))
-        return {"first": float(first[0]), "late_s": late_s, "error": err, "took": took,
+        return {"first": float(first[0]), "waited": waited, "error": err, "took": took,
                 "is_timeout": "CollectiveTimeoutError" in err or "UnmatchedCollectiveError" in err,
                 "after": float(after[0])}
 
@@ -356,17 +362,15 @@ def freeze_mid_job(rank: int, size: int, transport: str, victim: int, timeout_s:
     with make_reducer(transport, timeout_s=timeout_s) as r:
         pids = [int(p) for p in r.allgather("pids", np.array([os.getpid()], np.int64))]
         r.barrier()
-        if rank == victim:
-            time.sleep(0.3)
-            frozen_at = time.time()
-            with open(os.path.join(marks, "frozen"), "w") as f:
-                f.write(repr(frozen_at))
-            os.kill(os.getpid(), signal.SIGSTOP)
-            time.sleep(60)
-            return "resumed"
         try:
             for i in range(100_000):
                 r.allreduce(f"t{i}", np.ones(10_000 if i % 2 else 100, np.float32))
+                if rank == victim and i == 3:  # t3 is done: every survivor is in the loop
+                    frozen_at = time.time()
+                    with open(os.path.join(marks, "frozen"), "w") as f:
+                        f.write(repr(frozen_at))
+                    os.kill(os.getpid(), signal.SIGSTOP)  # stopped here until killed
+                    return "resumed"
             out = "no error"
         except Exception as e:  # the test inspects the type and message
             with open(os.path.join(marks, "frozen")) as f:

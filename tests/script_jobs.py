@@ -7,11 +7,13 @@ worker took to exit after it printed its result or after a peer failed.
 Every process of a job, down to the ranks mpirun or the launcher starts, carries the
 job's marker in its environment (``TEST_JOB_MARKER``): :meth:`Job.leftovers` finds any
 that outlived the job, and :meth:`Job.kill` ends them all. A job that overruns its
-timeout is killed and raises ``TimeoutError`` with its output so far.
+timeout is killed and raises ``TimeoutError`` with its output so far, which ends with
+every thread's stack of each of its Python processes, taken just before the kill.
 """
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import signal
 import subprocess
@@ -68,8 +70,11 @@ class Job:
         self._readers: list[threading.Thread] = []
 
     def start(self, cmd: Sequence[str], env: dict[str, str]) -> Worker:
-        proc = subprocess.Popen(list(cmd), env={**env, MARKER_VAR: self.marker}, cwd=str(ROOT), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        # PYTHONFAULTHANDLER: every Python process of the job prints every thread's stack
+        # on SIGABRT, which a timeout sends before the kill (see _dump_stacks).
+        proc = subprocess.Popen(list(cmd), env={**env, MARKER_VAR: self.marker, "PYTHONFAULTHANDLER": "1"},
+                                cwd=str(ROOT), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
         worker = Worker()
         self._procs.append(proc)
         self._workers.append(worker)
@@ -91,9 +96,12 @@ class Job:
                     self._workers[i].returncode, self._workers[i].ended_at = code, time.monotonic()
                     running.discard(i)
             if running and time.monotonic() > deadline:
+                self._dump_stacks()
                 self.kill()
                 raise TimeoutError(
-                    f"job did not end within {timeout} s (workers {sorted(running)} still running); output so far:\n"
+                    f"job did not end within {timeout} s (workers {sorted(running)} still running); output so far, "
+                    "ending with every thread's stack of each Python process that was still running (its "
+                    "'Fatal Python error: Aborted' is the SIGABRT that had it print them):\n"
                     + "\n".join(f"--- worker {i} ---\n{w.output}" for i, w in enumerate(self._workers)))
             time.sleep(0.02)
         self._join_readers()
@@ -120,6 +128,27 @@ class Job:
                 except OSError:  # gone, or not ours
                     continue
         return pids
+
+    def _dump_stacks(self) -> None:
+        """Have every Python process of the job still running print every thread's stack
+        to its standard error (faulthandler's answer to SIGABRT, after which it ends).
+        The ranks under a launcher or mpirun go first, while the processes above them
+        are held stopped (a launcher would stop the other ranks as soon as one ends, and
+        drop what they print); once resumed, those pass the ranks' output on and end.
+        Then the processes the job started itself."""
+        python = os.path.realpath(sys.executable)
+        ours = {proc.pid for proc in self._procs}
+        pids = self.leftovers()
+        inner = [p for p in pids if p not in ours and _executable(p) == python]
+        if inner:
+            held = [p for p in pids if p not in inner]
+            _send(held, signal.SIGSTOP)
+            _abort(inner)
+            _wait_gone(inner, 10.0)
+            _send(held, signal.SIGCONT)
+            _wait_gone(ours, 5.0)
+        _abort([p for p in pids if p in ours and _executable(p) == python and _alive(p)])
+        _wait_gone(pids, 10.0)
 
     def kill(self) -> None:
         """SIGKILL every process of the job still alive; safe to call more than once."""
@@ -151,6 +180,46 @@ class Job:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _executable(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _send(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _abort(pids: Sequence[int]) -> None:
+    """SIGABRT each process, without a core dump (it only has to print its stacks)."""
+    for pid in pids:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, resource.prlimit(pid, resource.RLIMIT_CORE)[1]))
+        except OSError:
+            pass
+    _send(pids, signal.SIGABRT)
+
+
+def _wait_gone(pids: Sequence[int] | set[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _pump(stream: IO[str], worker: Worker, also: list[str] | None) -> None:

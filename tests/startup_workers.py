@@ -81,8 +81,8 @@ def port_taken(rank: int, size: int, victim: int) -> str:
         squatter = socket.socket()
         squatter.bind((host, int(port)))
         squatter.listen(16)
-    else:
-        time.sleep(0.3 * rank)  # peers come up at different moments
+    else:  # peers come up at different moments (simulated; no order is needed)
+        time.sleep(0.3 * rank)
     start = time.monotonic()
     try:
         cfg = Config.from_env(transport="grpc", connect_timeout_s=30.0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,7 @@ from hostreduce.reducers.base import Handle
 from hostreduce.streaming import Channel, Collective, Slot, plan_buckets, register_bucket_hook
 from hostreduce.streaming.slots import fuse
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import mpi_skip_reason  # noqa: E402
+from tests.mpi_workers.mpi_launch import mpi_skip_reason
 
 
 class TwoRanks:
@@ -259,9 +257,8 @@ RUNS = {"sgd@0": 6, "sgd@2048": 3, "adam@2048": 3, "sgd@default": 1}
 @pytest.mark.slow
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_training_one_collective_per_bucket(tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-    import tf_common as common
-    from mpi_launch import run_mpi
+    from tests.mpi_workers.mpi_launch import run_mpi
+    from tests.tf_workers import tf_common as common
 
     for size in (0, 2048):
         entries = [(("f4", "mean"), n) for n in GRAD_BYTES]

@@ -177,7 +177,7 @@ def ring_compression_rank(rank: int, size: int, transport: str) -> dict:
     """Each case compressed by the ring (which casts inside its pipeline), blocking, async
     with out= in place, and fused with others; and as the cast-around path computes it:
     the engine all-reducing the 16-bit array, cast back."""
-    import ring_workers as w
+    from tests import ring_workers as w
 
     from hostreduce.reducers.compression import compressed
 

@@ -3,7 +3,6 @@ input_fn signatures."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +11,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import tf_common as common  # noqa: E402
+from tests.tf_workers import tf_common as common  # noqa: E402
 
 from hostreduce.errors import SpecError  # noqa: E402
 from hostreduce.estimator import (  # noqa: E402

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import tf_common as common  # noqa: E402
+from tests.tf_workers import tf_common as common  # noqa: E402
 
 from hostreduce.errors import ConfigError  # noqa: E402
 from hostreduce.estimator import Estimator, RunConfig  # noqa: E402
@@ -106,7 +104,7 @@ def test_crash_before_publishing_leaves_the_previous_checkpoint(tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resumed_run_equals_straight_run(tmp_path: Path, world_size: int) -> None:
-    from estimator_resume_workers import resume_rank
+    from tests.tf_workers.estimator_resume_workers import resume_rank
 
     from hostreduce.testing import run_ranks
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +14,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import tf_common as common  # noqa: E402
+from tests.tf_workers import tf_common as common  # noqa: E402
 
 from hostreduce.errors import ConfigError, SpecError  # noqa: E402
 from hostreduce.estimator import (  # noqa: E402

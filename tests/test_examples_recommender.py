@@ -5,14 +5,11 @@ model learned the synthetic clicks (AUC well above chance)."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from script_jobs import ROOT, base_env, run_launcher  # noqa: E402
+from tests.script_jobs import ROOT, base_env, run_launcher
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

@@ -5,14 +5,12 @@ against numpy on ring workers (``tests/hvd_workers/groups_api.py``, written once
 every world size)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "hvd_workers"))
-import groups_api  # noqa: E402
+from tests.hvd_workers import groups_api  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 

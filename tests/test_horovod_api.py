@@ -10,20 +10,16 @@ short."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "hvd_workers"))
-sys.path.insert(0, str(HERE / "mpi_workers"))
-sys.path.insert(0, str(HERE))
-import hvd_api  # noqa: E402
-from mpi_launch import mpi_skip_reason  # noqa: E402
-from script_jobs import base_env, run_launcher, run_mpirun  # noqa: E402
-from weights_check import check_training as _check_training  # noqa: E402
+from tests.hvd_workers import hvd_api  # noqa: E402
+from tests.mpi_workers.mpi_launch import mpi_skip_reason  # noqa: E402
+from tests.script_jobs import base_env, run_launcher, run_mpirun  # noqa: E402
+from tests.weights_check import check_training as _check_training  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import run_mpi  # noqa: E402
+from tests.mpi_workers.mpi_launch import run_mpi, timings
 
 pytestmark = pytest.mark.mpi
 
@@ -62,6 +61,18 @@ def test_horovod_collectives_at_4_ranks(horovod_ready: None) -> None:
     assert code == 0, out
     for rank in range(4):
         assert f"OK rank {rank}/4" in out, out
+
+
+@pytest.mark.perf
+def test_horovod_collective_timeouts_end_within_seconds(horovod_ready: None) -> None:
+    """The timeouts the tests above provoke (timeout_s=0.5) end in seconds: a
+    reduce-scatter without its last rank, a lone barrier."""
+    code, out = run_mpi("horovod", 2, "collectives_worker.py", "horovod", "timeouts", timeout=240)
+    assert code == 0, out
+    got = timings(out)
+    assert set(got) == {("dead_peer", 0), ("barrier_timeout", 0)}, out
+    for (check, rank), seconds in got.items():
+        assert seconds < (5 if check == "barrier_timeout" else 10), (check, rank, seconds)
 
 
 def test_horovod_mpirun_is_not_the_wheel(horovod_ready: None) -> None:

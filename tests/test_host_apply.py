@@ -96,10 +96,7 @@ def test_scope_routes_keras_apply_to_fused_kernel() -> None:
 
 @pytest.mark.parametrize("on_host", [True, False])
 def test_variables_and_slots_on_host(on_host: bool) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tf_workers"))
-    import tf_common as common
+    from tests.tf_workers import tf_common as common
 
     from hostreduce.estimator import Estimator, RunConfig
     from hostreduce.strategies import SingleProcessStrategy

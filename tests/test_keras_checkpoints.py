@@ -25,7 +25,6 @@ Each configuration runs its two jobs once (module-scoped), shared by the tests.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,10 +32,8 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "keras_workers"))
-sys.path.insert(0, str(HERE))
-import checkpoint_workers as workers  # noqa: E402
-from weights_check import check_training, rel_err  # noqa: E402
+from tests.keras_workers import checkpoint_workers as workers  # noqa: E402
+from tests.weights_check import check_training, rel_err  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

@@ -1,13 +1,11 @@
 """The 'mpi' reducer under mpirun (the mpirun that belongs to mpi4py's MPI library)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-from mpi_launch import mpi_skip_reason, run_mpi  # noqa: E402
+from tests.mpi_workers.mpi_launch import mpi_skip_reason, run_mpi, timings
 
 pytestmark = pytest.mark.mpi
 
@@ -32,6 +30,19 @@ def test_mpi_collectives_at_4_ranks() -> None:
     assert code == 0, out
     for rank in range(4):
         assert f"OK rank {rank}/4" in out, out
+
+
+@pytest.mark.perf
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_mpi_collective_timeouts_end_within_seconds() -> None:
+    """The timeouts the tests above provoke (timeout_s=0.5) end in seconds: a
+    reduce-scatter without its last rank, a group without a member, a lone barrier."""
+    code, out = run_mpi("mpi", 3, "collectives_worker.py", "mpi", "timeouts", timeout=180)
+    assert code == 0, out
+    got = timings(out)
+    assert set(got) == {("dead_peer", 0), ("dead_peer", 1), ("absent_member", 0), ("barrier_timeout", 0)}, out
+    for (check, rank), seconds in got.items():
+        assert seconds < (5 if check == "barrier_timeout" else 10), (check, rank, seconds)
 
 
 def test_mpirun_selection() -> None:

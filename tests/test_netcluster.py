@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,9 +41,9 @@ def test_refuses_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_refuses_without_root_with_clear_message() -> None:
     if os.geteuid() == 0:
-        cmd = [sys.executable, "-c",
-               "import sys; sys.path.insert(0, sys.argv[1]); from benchmarks import netcluster as NC; "
-               "NC._effective_uid = lambda: 1000; sys.exit(NC.main(['check', '-n', '2']))", str(ROOT)]
+        cmd = [sys.executable, "-c",  # run in ROOT: `python -c` imports from its working directory
+               "import sys; from benchmarks import netcluster as NC; "
+               "NC._effective_uid = lambda: 1000; sys.exit(NC.main(['check', '-n', '2']))"]
     else:
         cmd = [sys.executable, str(SCRIPT), "check", "-n", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=str(ROOT))
@@ -135,11 +134,11 @@ def test_teardown_on_exception() -> None:
 @needs_netns
 @pytest.mark.timeout(60)
 def test_teardown_on_sigterm() -> None:
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from benchmarks import netcluster as NC\n"
+    code = ("import time; from benchmarks import netcluster as NC\n"
             "with NC.NetCluster(2) as c:\n"
             "    print(' '.join(c.namespaces + [c.bridge_ns]), flush=True)\n"
-            "    time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
+            "    time.sleep(60)\n")  # runs until the SIGTERM (the readline below waits for its start)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
     try:
         names = set(proc.stdout.readline().split())
         assert len(names) == 3 and names <= set(NC.list_namespaces())
@@ -180,4 +179,3 @@ def test_cli_check_reports_rate_and_tears_down() -> None:
     assert "Gbit/s" in proc.stdout and "torn down: ok" in proc.stdout
     info = json.loads(proc.stdout.splitlines()[0])
     assert not set(info["namespaces"]) & set(NC.list_namespaces())
-    time.sleep(0)  # nothing left to wait for

@@ -7,15 +7,13 @@ process ends with status 0."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ps_helpers import max_rel  # noqa: E402
-from script_jobs import base_env, run_ps_by_hand, run_reference  # noqa: E402
+from tests.ps_helpers import max_rel
+from tests.script_jobs import base_env, run_ps_by_hand, run_reference
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

@@ -9,14 +9,12 @@ the ps serve at ``keras_optimizer``.)"""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import base_env, run_ps_by_hand, run_reference  # noqa: E402
+from tests.script_jobs import base_env, run_ps_by_hand, run_reference
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -71,7 +69,7 @@ def test_a_table_looked_up_twice_in_a_step_is_refused_naming_it(monkeypatch: pyt
     import hostreduce
     from hostreduce.errors import SpecError
     from hostreduce.ps_training.keras import release_lookups
-    from ps_helpers import LocalCluster
+    from tests.ps_helpers import LocalCluster
 
     ps = LocalCluster(2, 1)
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "ps": ps.addresses},

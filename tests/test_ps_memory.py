@@ -5,13 +5,11 @@ it evaluates afterwards, as each ps holds its half of the table and its Adam slo
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import base_env, run_ps_by_hand  # noqa: E402
+from tests.script_jobs import base_env, run_ps_by_hand
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

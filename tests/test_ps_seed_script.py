@@ -6,13 +6,11 @@ status 0, and the evaluator must print the metrics of the final checkpoint."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from script_jobs import Job, base_env, run_ps_by_hand  # noqa: E402
+from tests.script_jobs import Job, base_env, run_ps_by_hand
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -52,7 +50,7 @@ def test_ps_workers_and_evaluator_by_hand(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_ps_job_under_the_launcher(tmp_path: Path) -> None:
-    from script_jobs import run_launcher
+    from tests.script_jobs import run_launcher
 
     cmd_args = ["--num-steps", "20", "--model-dir", str(tmp_path / "model")]
     worker = run_launcher(SCRIPT, cmd_args, np=2, timeout=300, env=base_env(HOSTREDUCE_TIMEOUT_S="30"),

@@ -72,7 +72,7 @@ def test_mean_floors_integers_and_low_precision_is_float16_and_bfloat16():
 
 
 def test_every_collective_on_one_rank_matches_numpy(reducer):
-    from collectives_check import agree, check_all
+    from tests.collectives_check import agree, check_all
 
     digests = check_all(reducer)
     agree(reducer, digests)

@@ -15,7 +15,7 @@ from hostreduce.reducers.base import ReduceOp, SUPPORTED_DTYPES
 from hostreduce.reducers.ring import algorithm, collectives
 from hostreduce.reducers.ring import messages as m
 from hostreduce.reducers.ring.negotiation import Coordinator
-from test_ring_algorithm import MemLink, make_inputs, numpy_reduce, tolerance
+from tests.test_ring_algorithm import MemLink, make_inputs, numpy_reduce, tolerance
 
 DTYPES = st.sampled_from(SUPPORTED_DTYPES)
 OPS = st.sampled_from(list(ReduceOp))

@@ -36,7 +36,7 @@ def _job(rank: int, size: int) -> dict:
     """Each data path in turn: two bursts of asynchronous all-reduces (submitted in a
     rank-dependent order), then the same tensors as blocking calls (the fast lane on one
     host). Returns the digest of every result."""
-    import ring_workers as w
+    from tests import ring_workers as w
 
     got: dict[str, str] = {}
     for path in PATHS:

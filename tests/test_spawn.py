@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,17 +53,34 @@ def _print_and_identify(rank: int, world_size: int, tag: str) -> dict:
     return _identity(rank, world_size, tag)
 
 
+def _block_for_ever() -> None:
+    """What a hung rank does: never return (the harness kills it)."""
+    threading.Event().wait()
+
+
 def _raise_on_rank1(rank: int, world_size: int) -> int:
     if rank == 1:
         raise _PeerGone("peer 0 stopped answering")
-    time.sleep(60)
+    _block_for_ever()
     return rank
 
 
 def _hang_on_last(rank: int, world_size: int) -> int:
     if rank == world_size - 1:
-        time.sleep(60)
+        _block_for_ever()
     return rank
+
+
+def _stuck_in_a_named_function(rank: int, world_size: int, marker: str) -> int:
+    if rank == world_size - 1:
+        _waits_here_for_ever(marker)
+    return rank
+
+
+def _waits_here_for_ever(marker: str) -> None:
+    with open(marker, "w"):
+        pass  # from now on this function is on the rank's stack, whenever the time is up
+    _block_for_ever()
 
 
 def _rank1_dies(rank: int, world_size: int) -> int:
@@ -86,12 +105,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _write_pid_then(rank: int, world_size: int, path: str) -> None:
-    with open(f"{path}.{rank}", "w") as f:
+    with open(f"{path}.{rank}.tmp", "w") as f:
         f.write(str(os.getpid()))
-    if rank == 0:
-        time.sleep(0.5)
+    os.replace(f"{path}.{rank}.tmp", f"{path}.{rank}")
+    if rank == 0:  # gives up once every rank has written its pid (or after a minute)
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{path}.{r}") for r in range(world_size)) and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise RuntimeError("rank 0 gives up")
-    time.sleep(60)
+    _block_for_ever()
 
 
 @pytest.mark.timeout(60)
@@ -125,12 +147,12 @@ def test_fresh_secret_per_call() -> None:
     assert a != b
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # the hang guard: failing fast is the only way this test ends in time
 def test_raising_rank_fails_fast_with_traceback() -> None:
-    start = time.monotonic()
+    # The other ranks never end and the run's own timeout is far off: only the failure
+    # of rank 1 can end the run.
     with pytest.raises(RankFailedError, match=r"rank 1 .*_PeerGone: peer 0 stopped answering") as info:
-        run_ranks(_raise_on_rank1, 3, timeout=30)
-    assert time.monotonic() - start < 15  # the other ranks sleep 60 s; they were killed
+        run_ranks(_raise_on_rank1, 3, timeout=3600)
     err = info.value
     assert isinstance(err, AssertionError)
     assert err.rank == 1 and err.exc_type == "_PeerGone"
@@ -148,11 +170,51 @@ def test_other_ranks_are_dead_after_failure(tmp_path) -> None:
 
 @pytest.mark.timeout(60)
 def test_hanging_rank_times_out() -> None:
-    start = time.monotonic()
+    # Rank 2 never ends: only the run's timeout ends the run (before the test's own).
     with pytest.raises(RankTimeoutError, match=r"ranks \[.*2\] of 3 had not finished after 3 s") as info:
         run_ranks(_hang_on_last, 3, timeout=3)
     assert 2 in info.value.ranks  # ranks 0 and 1 normally finish; a loaded machine may delay them
-    assert time.monotonic() - start < 15
+
+
+def _until_the_rank_was_stuck(run, marker: Path):
+    """``run(timeout)`` of ``_stuck_in_a_named_function``: with a short timeout, and again
+    with a long one if a loaded machine had not even brought the rank into the function
+    when the short one was up. Returns what the run returned or raised."""
+    for timeout in (3, 60):
+        try:
+            result = run(timeout)
+        except RankTimeoutError as e:
+            result = e
+        if marker.exists():
+            return result
+    pytest.fail("the rank never reached the function it hangs in")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("preloaded", [False, True])
+def test_a_hung_ranks_timeout_error_shows_its_stack(tmp_path: Path, preloaded: bool) -> None:
+    if preloaded:
+        pytest.importorskip("tensorflow")
+        preload(["tensorflow"])
+    marker = tmp_path / "stuck"
+    err = _until_the_rank_was_stuck(
+        lambda timeout: run_ranks(_stuck_in_a_named_function, 2, args=(str(marker),), timeout=timeout), marker)
+    assert isinstance(err, RankTimeoutError), err
+    assert 1 in err.ranks, err
+    # Every thread's stack, the function it hangs in on top of the one that called it.
+    assert "_waits_here_for_ever" in err.stacks[1] and "_stuck_in_a_named_function" in err.stacks[1], err
+    assert "--- rank 1 ---" in str(err) and err.stacks[1] in str(err)
+    assert "most recent call first" in err.stacks[1], err
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_ranks_timeout_outcome_has_its_stack(tmp_path: Path) -> None:
+    marker = tmp_path / "stuck"
+    outcomes = _until_the_rank_was_stuck(
+        lambda timeout: run_ranks_allow_failure(_stuck_in_a_named_function, 2, args=(str(marker),), timeout=timeout),
+        marker)
+    assert outcomes[1] == "timeout" and outcomes[1].kind == "timeout", outcomes
+    assert "_waits_here_for_ever" in outcomes[1].traceback, outcomes[1].traceback
 
 
 @pytest.mark.timeout(60)

@@ -3,13 +3,11 @@ last layer first; the timeline records it."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import tf_common as common  # noqa: E402
+from tests.tf_workers import tf_common as common
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 

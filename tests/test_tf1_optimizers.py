@@ -19,8 +19,7 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-import tf_common as common  # noqa: E402
+from tests.tf_workers import tf_common as common  # noqa: E402
 
 from hostreduce.errors import SpecError  # noqa: E402
 from hostreduce.estimator import Estimator, EstimatorSpec, ModeKeys, RunConfig  # noqa: E402

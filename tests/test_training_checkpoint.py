@@ -47,8 +47,7 @@ def test_crash_mid_write_keeps_latest(tmp_path: Path, monkeypatch: pytest.Monkey
 @pytest.mark.tf
 @pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(tmp_path: Path) -> None:
-    sys.path.insert(0, str(WORKERS))
-    import tf_common as common
+    from tests.tf_workers import tf_common as common
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKERS.parents[1]), os.environ.get("PYTHONPATH", "")]))
     env.pop("TF_CONFIG", None)

@@ -5,16 +5,13 @@ once (``host_apply="once"``), which give the same bits."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tf_workers"))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi_workers"))
-import tf_common as common  # noqa: E402
-from mpi_launch import mpi_skip_reason  # noqa: E402
+from tests.mpi_workers.mpi_launch import mpi_skip_reason
+from tests.tf_workers import tf_common as common
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -64,7 +61,7 @@ _MPI_SKIP = mpi_skip_reason()
 @pytest.mark.mpi
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_mpi_two_workers_match_one_process(reference: dict, tmp_path: Path) -> None:
-    from mpi_launch import run_mpi
+    from tests.mpi_workers.mpi_launch import run_mpi
 
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "HOSTREDUCE_SECRET")}
     code, out = run_mpi("mpi", 2, str(Path(common.__file__)), ",".join(RUNS), str(STEPS), str(tmp_path),

@@ -28,7 +28,7 @@ import contextlib
 import threading
 from typing import Any, Iterator
 
-from ..errors import SpecError
+from ..errors import ConfigError, SpecError
 from .kerases import underlying_variable
 from .patch import routed
 from .gradients import gradients_or_none, recorded_variables
@@ -60,7 +60,7 @@ def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[None]:
     import tensorflow as tf
 
     if place not in (MODEL_FN, HOST_CALL):
-        raise ValueError(f"`place` must be {MODEL_FN!r} or {HOST_CALL!r}. Received: place={place!r}")
+        raise ConfigError(f"`place` must be {MODEL_FN!r} or {HOST_CALL!r}. Received: place={place!r}")
     train = tf.compat.v1.train
     previous = getattr(_local, "context", None)
     _local.context = _Context(place, workers)

@@ -2,7 +2,8 @@
 
 Every rank gets ``TF_CONFIG`` for a cluster of loopback addresses and a shared fresh
 ``HOSTREDUCE_SECRET``. A failing or hanging rank ends the whole run at once, and no
-rank process outlives the call.
+rank process outlives the call. The error for ranks that did not finish in time shows
+every thread's stack of each, taken just before it was killed.
 """
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
 
 from ..cluster import format_tf_config
+from ..errors import ConfigError, RankFailedError, RankTimeoutError
 from ..processes import alive as _alive, free_ports
+from . import _stacks
 from .preloading import Inherited, rank_context
 
 __all__ = [
@@ -34,35 +39,6 @@ _SECRET_VAR = "HOSTREDUCE_SECRET"
 _HOST = "127.0.0.1"
 
 
-class RankFailedError(AssertionError):
-    """A rank raised an exception or died; its traceback is part of the message.
-
-    Attributes:
-        rank: the rank that failed.
-        exc_type: name of the exception type (e.g. ``PeerLostError``), or ``killed`` /
-            ``exited`` when the process died without reporting.
-        traceback: the rank's formatted traceback ('' when it died without one).
-    """
-
-    def __init__(self, message: str, rank: int, exc_type: str, traceback_text: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exc_type = exc_type
-        self.traceback = traceback_text
-
-
-class RankTimeoutError(AssertionError):
-    """The timeout elapsed before every rank finished.
-
-    Attributes:
-        ranks: the ranks that had not finished.
-    """
-
-    def __init__(self, message: str, ranks: Sequence[int]) -> None:
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-
-
 class RankOutcome(str):
     """How a rank ended without returning a value; compares equal to its text.
 
@@ -73,7 +49,8 @@ class RankOutcome(str):
     Attributes:
         kind: ``error``, ``killed``, ``exited`` or ``timeout``.
         exc_type: name of the exception type (``error`` only, else '').
-        traceback: the formatted traceback (``error`` only, else '').
+        traceback: the formatted traceback (``error``), every thread's stack when the
+            time was up (``timeout``), else ''.
         exitcode: the process exit code (negative signal number when killed), or None.
     """
 
@@ -125,8 +102,11 @@ def _rank_main(
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
     inherited: Inherited | None = None,
+    stacks_path: str | None = None,
 ) -> None:
     """Body of one rank process: set up the environment, run ``fn``, report back."""
+    if stacks_path is not None:  # what the parent reads when this rank does not finish in time
+        _stacks.install(stacks_path)
     try:
         os.setsid()  # Own process group, so the parent can kill whatever this rank starts.
     except OSError:
@@ -189,9 +169,9 @@ def _check_args(fn: Any, world_size: Any, timeout: Any, env: Any) -> None:
             f"`fn` must be an importable top-level function (ranks run in fresh processes). Received: fn={fn!r}"
         )
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"`world_size` must be an integer >= 1. Received: world_size={world_size!r}")
+        raise ConfigError(f"`world_size` must be an integer >= 1. Received: world_size={world_size!r}")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"`timeout` must be a number > 0. Received: timeout={timeout!r}")
+        raise ConfigError(f"`timeout` must be a number > 0. Received: timeout={timeout!r}")
     if env is not None and not isinstance(env, Mapping):
         raise TypeError(f"`env` must be a mapping of names to strings or None. Received: env={env!r}")
 
@@ -218,6 +198,9 @@ def _run(
     ctx, inherited = rank_context(env or {})
     addresses = [f"{_HOST}:{p}" for p in free_ports(world_size, _HOST)] if transport_env else []
     secret = secrets.token_hex(32)
+    stacks_dir = tempfile.mkdtemp(prefix="hostreduce-stacks-")
+    stacks_paths = {rank: os.path.join(stacks_dir, str(rank)) for rank in range(world_size)}
+    stacks: dict[int, str] = {}
     procs: list[multiprocessing.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []
     outcomes: dict[int, Any] = {}
@@ -230,7 +213,7 @@ def _run(
                 target=_rank_main,
                 args=(fn, rank, world_size, tuple(args),
                       _rank_env(rank, world_size, addresses, secret, env, transport_env), send_end, os.getpid(),
-                      inherited),
+                      inherited, stacks_paths[rank]),
                 name=f"rank{rank}",
             )
             with _live_lock:
@@ -247,6 +230,7 @@ def _run(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = sorted(pending)
+                stacks = _stacks.collect({r: procs[r] for r in timed_out}, stacks_paths)
                 break
             waitables: list[Any] = [conns[r] for r in pending if r not in closed]
             waitables += [procs[r].sentinel for r in pending]
@@ -284,8 +268,9 @@ def _run(
             _kill(proc)
         for conn in conns:
             conn.close()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     for rank in timed_out:
-        outcomes[rank] = RankOutcome("timeout", "timeout")
+        outcomes[rank] = RankOutcome("timeout", "timeout", traceback_text=stacks.get(rank, ""))
     for rank in range(world_size):
         outcomes.setdefault(rank, RankOutcome("killed", "killed", exitcode=procs[rank].exitcode))
     return [outcomes[r] for r in range(world_size)], timed_out, first_failed
@@ -318,7 +303,8 @@ def run_ranks(
 
     Raises:
         RankFailedError: a rank raised or died; every other rank is killed at once.
-        RankTimeoutError: ``timeout`` elapsed; every rank is killed.
+        RankTimeoutError: ``timeout`` elapsed; every rank is killed, those that had not
+            finished after every thread's stack is taken from them for the message.
     """
     outcomes, timed_out, rank = _run(
         fn, world_size, tuple(args), timeout, env, transport_env, stop_on_failure=True
@@ -331,9 +317,12 @@ def run_ranks(
             message = f"rank {rank} of {world_size} died without returning a result ({out}, exit code {out.exitcode})"
         raise RankFailedError(message, rank, out.exc_type or out.kind, out.traceback)
     if timed_out:
+        stacks = {r: outcomes[r].traceback for r in timed_out}
         raise RankTimeoutError(
-            f"ranks {timed_out} of {world_size} had not finished after {timeout:g} s; all ranks were killed",
-            timed_out,
+            f"ranks {timed_out} of {world_size} had not finished after {timeout:g} s; all ranks were killed. "
+            "Every thread's stack of each when the time was up:\n"
+            + "".join(f"\n--- rank {r} ---\n{stacks[r]}\n" for r in timed_out),
+            timed_out, stacks,
         )
     return outcomes
 
@@ -353,7 +342,8 @@ def run_ranks_allow_failure(
         One entry per rank, in rank order: the rank's return value, or a
         :class:`RankOutcome` string: ``"<ExceptionType>: <message>"`` when it raised,
         ``"killed"`` when a signal killed it, ``"exited with code N"`` when it exited
-        without returning, ``"timeout"`` when it had not finished within ``timeout``.
+        without returning, ``"timeout"`` when it had not finished within ``timeout``
+        (its ``traceback``: every thread's stack then).
     """
     outcomes, _, _ = _run(fn, world_size, tuple(args), timeout, env, transport_env, stop_on_failure=False)
     return outcomes

@@ -9,7 +9,6 @@ eagerly and inside ``tf.function``, against numpy references every rank computes
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -152,7 +151,6 @@ def rank_main(rank: int, size: int) -> dict[str, Any]:
 if __name__ == "__main__":  # under mpirun
     from mpi4py import MPI  # noqa: F401 - the launcher's variables give rank and size
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     r, s = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)), int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
     result = rank_main(r, s)
     if result["failures"]:

@@ -13,7 +13,6 @@ Run: ``hostreduce run -np 2 -- python tensorflow2_mnist.py STEPS DIR`` or
 ``mpirun -np 2 python tensorflow2_mnist.py STEPS DIR``.
 """
 import hashlib
-import os
 import sys
 
 import numpy as np
@@ -21,8 +20,7 @@ import tensorflow as tf
 
 import hostreduce.horovod as hvd
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "seed_workers"))
-import digits  # noqa: E402
+from tests.seed_workers import digits
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
 CHECKPOINT_DIR = sys.argv[2] if len(sys.argv) > 2 else "./checkpoints"

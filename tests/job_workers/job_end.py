@@ -6,7 +6,8 @@ REDUCER is ``ring`` (cluster from TF_CONFIG, settings from HOSTREDUCE_*) or ``mp
 (under mpirun, timeout_s from HOSTREDUCE_TIMEOUT_S). MODE:
 
 - ``noclose``: every rank all-reduces STEPS times and returns without ``close()``;
-  rank r first works 0.7 r seconds more without collectives, so rank 0 leaves first.
+  rank 0 leaves first: the others go on (without collectives) until its exit has
+  closed its reducer, which it marks in the directory ``JOB_END_MARKS`` names.
 - ``raise``: rank FAIL_RANK raises ``ValueError`` before step FAIL_STEP; nothing is
   caught anywhere.
 - ``catch``: like ``raise``, but the other ranks catch every error and return normally.
@@ -17,15 +18,15 @@ Linux the monotonic clock is the same in every process).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from hostreduce.config import Config  # noqa: E402
+from hostreduce.config import Config
+from tests.marks import mark, wait_for_marks
 
 
 def make(reducer: str):
@@ -60,7 +61,11 @@ def main(argv: list[str]) -> None:
     if mode == "noclose":
         # Ranks leave at different times: rank 0 (the ring's coordinator) first, while
         # the others still work without collectives, as scripts do after training.
-        time.sleep(0.7 * r.rank)
+        marks = os.environ["JOB_END_MARKS"]
+        if r.rank == 0:  # atexit runs after the exit hook that closes the reducer
+            atexit.register(mark, marks, "rank0-closed")
+        else:
+            wait_for_marks(marks, ["rank0-closed"])
     print(f"FINISHED {r.rank} {time.monotonic()}", flush=True)
 
 

@@ -23,8 +23,7 @@ import tensorflow as tf
 
 import hostreduce.horovod.keras as hvd
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "seed_workers"))
-import digits  # noqa: E402
+from tests.seed_workers import digits  # noqa: E402
 
 EPOCHS = int(sys.argv[1]) if len(sys.argv) > 1 else 24
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 500

@@ -12,8 +12,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tf_workers"))
-import tf_common as common  # noqa: E402
+from tests.tf_workers import tf_common as common
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ gets SIGKILL, so no orphaned rank outlives the test.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,11 @@ def run_mpi(reducer_name: str, np: int, script: str, *args: str, timeout: float 
             out += proc.communicate()[0] or ""
         raise TimeoutError(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out}") from None
     return proc.returncode, out
+
+
+def timings(output: str) -> dict[tuple[str, int], float]:
+    """The ``TIMING <check> rank R: <s> s`` lines of a check's output, by (check, rank)."""
+    return {(m[1], int(m[2])): float(m[3]) for m in re.finditer(r"TIMING (\w+) rank (\d+): ([0-9.]+) s", output)}
 
 
 def mpi_skip_reason() -> str | None:

@@ -98,7 +98,7 @@ rank = 0 if args.reference or estimator.strategy.role != "worker" else estimator
 
 
 def hook(step, loss):
-    if rank == 0 and args.step_sleep:
+    if rank == 0 and args.step_sleep:  # the chief's simulated longer steps (only their sum matters)
         time.sleep(args.step_sleep)
     failing = {"kill": {1: "kill"}, "raise": {1: "raise"}, "both": {1: "kill", 2: "raise"}}[args.fail_how]
     if rank in failing and step == args.fail_at:

@@ -9,7 +9,6 @@ device and session settings passed to ``RunConfig``, ``classifier.train`` only, 
 """
 import argparse
 import os
-import sys
 
 import numpy as np
 
@@ -18,8 +17,7 @@ import tensorflow.compat.v1 as tf
 import hostreduce
 from hostreduce import horovod as hvd
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import digits  # noqa: E402
+from tests.seed_workers import digits
 
 BATCH_SIZE = 32
 

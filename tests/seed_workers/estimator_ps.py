@@ -8,7 +8,6 @@ and prints the metrics of the final one; nothing calls ``close()``.
 """
 import argparse
 import os
-import sys
 
 import numpy as np
 
@@ -16,8 +15,7 @@ import tensorflow.compat.v1 as tf
 
 import hostreduce
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import digits  # noqa: E402
+from tests.seed_workers import digits
 
 BATCH_SIZE = 32
 

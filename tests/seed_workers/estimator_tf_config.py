@@ -9,7 +9,6 @@ session settings passed to ``RunConfig``, and no ``close()`` anywhere.
 """
 import argparse
 import os
-import sys
 
 import numpy as np
 
@@ -17,8 +16,7 @@ import tensorflow.compat.v1 as tf
 
 import hostreduce
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import digits  # noqa: E402
+from tests.seed_workers import digits
 
 BATCH_SIZE = 32
 

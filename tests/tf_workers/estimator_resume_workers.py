@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-import tf_common as common
+from tests.tf_workers import tf_common as common
 
 EXAMPLES = 96  # 6 global batches of 16 per epoch: the halfway point falls mid-epoch
 

@@ -2,7 +2,7 @@
 ``resume_worker.py MODEL_DIR KILL_AT STEPS``."""
 import sys
 
-import tf_common as common
+from tests.tf_workers import tf_common as common
 
 if __name__ == "__main__":
     model_dir, kill_at, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

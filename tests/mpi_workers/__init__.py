@@ -1,0 +1,1 @@
+"""Helpers and scripts of the tests in ``tests/`` (importable as ``tests.mpi_workers``)."""
