@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
+from hostreduce.cluster import format_tf_config
+from hostreduce.processes import alive, free_ports, stop_groups, tf_config
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER_VAR = "TEST_JOB_MARKER"
 
@@ -147,27 +150,13 @@ class Job:
             _wait_gone(inner, 10.0)
             _send(held, signal.SIGCONT)
             _wait_gone(ours, 5.0)
-        _abort([p for p in pids if p in ours and _executable(p) == python and _alive(p)])
+        _abort([p for p in pids if p in ours and _executable(p) == python and alive(p)])
         _wait_gone(pids, 10.0)
 
     def kill(self) -> None:
-        """SIGKILL every process of the job still alive; safe to call more than once."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        for pid in self.leftovers():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        """Stop every process of the job still alive (its process groups, then what
+        was left outside them); safe to call more than once."""
+        stop_groups(self._procs, self.leftovers(), grace_s=0.0)
         self._join_readers()
 
     def _join_readers(self) -> None:
@@ -187,15 +176,6 @@ def _executable(pid: int) -> str:
         return os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _send(pids: Sequence[int], sig: int) -> None:
@@ -218,7 +198,7 @@ def _abort(pids: Sequence[int]) -> None:
 
 def _wait_gone(pids: Sequence[int] | set[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
@@ -244,8 +224,6 @@ def run_by_hand(script: str | Path, args: Sequence[str] = (), np: int = 2, timeo
                 env: dict[str, str] | None = None, job: Job | None = None) -> list[Worker]:
     """Start ``np`` workers as separate ``python script`` processes, each with its own
     ``TF_CONFIG`` and a shared ``HOSTREDUCE_SECRET``, as a user does in ``np`` terminals."""
-    from hostreduce.processes import free_ports, tf_config
-
     addresses = [f"127.0.0.1:{p}" for p in free_ports(np)]
     secret = secrets.token_hex(16)
     return _run([([sys.executable, str(script), *args],
@@ -308,8 +286,6 @@ def _script_rank(rank: int, size: int, script: str, args: list[str]) -> tuple[in
 def ps_cluster(ps: int, workers: int, evaluator: bool = False) -> dict[str, list[str]]:
     """A ``TF_CONFIG`` cluster of ``ps`` parameter servers, a chief and ``workers - 1``
     workers (and an evaluator) on free loopback ports."""
-    from hostreduce.processes import free_ports
-
     ports = iter(free_ports(ps + workers + int(evaluator)))
     cluster = {"chief": [f"127.0.0.1:{next(ports)}"],
                "worker": [f"127.0.0.1:{next(ports)}" for _ in range(workers - 1)],
@@ -329,14 +305,12 @@ def run_ps_by_hand(script: str | Path, args: Sequence[str] = (), ps: int = 2, wo
     ``evaluator``), started in the order ps, chief, workers, evaluator. ``cluster``: the
     addresses (default: :func:`ps_cluster` of ``ps``, ``workers``, ``evaluator``);
     ``ps_script``: what the ps tasks run instead (without ``args``)."""
-    import json
-
     cluster = cluster or ps_cluster(ps, workers, evaluator)
     secret = secrets.token_hex(16)
     tasks = [(t, i) for t in ("ps", "chief", "worker", "evaluator") for i in range(len(cluster.get(t, [])))]
     starts = [([sys.executable, str(ps_script)] if ps_script and t == "ps" else [sys.executable, str(script), *args],
                dict(env or base_env(), HOSTREDUCE_SECRET=secret,
-                    TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": t, "index": i}})))
+                    TF_CONFIG=format_tf_config(cluster, i, t)))
               for t, i in tasks]
     done = _run(starts, timeout, job)
     names = [t if t in ("chief", "evaluator") else f"{t}{i + (t == 'worker')}" for t, i in tasks]
