@@ -30,6 +30,7 @@ from ..errors import SpecError
 from ..host.patch import routed
 from ..host.variables import LOCAL_COLLECTIONS, Deferred, VariableStore, requested_shape
 from ..ps.placement import is_sharded
+from .initial_rows import initial_value_in_rows
 
 __all__ = ["shard_tables", "row_caches", "RowCacheFactory", "row_cache", "row_cache_type", "is_row_cache", "keras_take", "deferred_keras_init"]
 
@@ -76,8 +77,11 @@ def _row_cache_class() -> type:
 
         def initial_value_numpy(self) -> np.ndarray:
             """The table's initial value, computed now if it was deferred (a transient
-            full copy, on the chief only, while it registers the table on the ps)."""
-            value = self.initial() if callable(self.initial) else self.initial
+            full copy in numpy, on the chief only, while it registers the table on the
+            ps; TensorFlow computes it by blocks of rows, see ``initial_rows.py``)."""
+            if callable(self.initial):
+                return initial_value_in_rows(self.initial, self.full_shape, self.dtype, self.name)
+            value = self.initial
             return np.asarray(value.numpy() if hasattr(value, "numpy") else value).reshape(self.full_shape)
 
     return RowCache
