@@ -26,6 +26,7 @@ __all__ = [
     "JobFailedError",
     "RankFailedError",
     "RankTimeoutError",
+    "NotByRowsError",
 ]
 
 
@@ -94,6 +95,11 @@ class WireError(HostReduceError, ValueError):
 
 class JobFailedError(HostReduceError):
     """The job a ps task served ended by a failure (the chief's, or the chief was lost)."""
+
+
+class NotByRowsError(HostReduceError):
+    """A table's initial value cannot be computed by blocks of rows; it is computed whole
+    (``hostreduce.ps_training.initial_rows``, which handles it: never raised to callers)."""
 
 
 class RankFailedError(HostReduceError, AssertionError):

@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..errors import NotByRowsError
+
 __all__ = ["initial_value_in_rows", "BLOCK_BYTES"]
 
 logger = logging.getLogger("hostreduce.ps")
@@ -54,10 +56,6 @@ _ELEMENTWISE = {"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Neg", "Cast", "
 _SEEDS = {"StatelessRandomGetKeyCounter", "StatelessRandomUniformFullIntV2", "BitwiseOr", "LeftShift", "Pack",
           "Reshape", "StridedSlice", "Const"}
 _SOURCES = set(_RANDOM_OPS.values()) | {"Fill"}
-
-
-class _NotByRows(Exception):
-    """The initializer's value cannot be computed by rows (it is computed whole)."""
 
 
 class _Block:
@@ -125,7 +123,7 @@ class _Block:
         # advanced (Keras's SeedGenerator reads its state first), so that the call
         # that computes the value whole draws the seed an unrouted call would.
         self.wrong = f"it runs {op}"
-        raise _NotByRows(self.wrong)
+        raise NotByRowsError(self.wrong)
 
     @contextlib.contextmanager
     def routes(self) -> Iterator[None]:
@@ -160,12 +158,12 @@ def _rows(initial: Callable[[], Any], full_shape: tuple[int, ...], block_rows: i
         if start == 0 and not block.answered and value.shape == full_shape:
             return value, stop == full_shape[0]  # untouched: the whole value, as computed without routes
         if block.wrong:
-            raise _NotByRows(block.wrong)
+            raise NotByRowsError(block.wrong)
         if seeds is not None and block.seeds != seeds:
-            raise _NotByRows("its random ops draw a new seed on each call")
+            raise NotByRowsError("its random ops draw a new seed on each call")
         seeds = block.seeds
         if value.shape != block.shape:
-            raise _NotByRows(f"it made a value of shape {list(value.shape)} for rows of shape {list(block.shape)}")
+            raise NotByRowsError(f"it made a value of shape {list(value.shape)} for rows of shape {list(block.shape)}")
         if out is None:
             out = np.empty(full_shape, value.dtype)
         out[start:stop] = value
@@ -199,7 +197,7 @@ def _initial_value(initial: Callable[[], Any], full_shape: tuple[int, ...], dtyp
     try:
         value, by_rows = _rows(initial, full_shape, block_rows)
         why = "none of its ops makes a tensor of the table's shape by rows"
-    except _NotByRows as e:
+    except NotByRowsError as e:
         by_rows, why = False, str(e)
     except Exception as e:  # noqa: BLE001 - e.g. a reshape to the whole shape: computed whole instead
         by_rows, why = False, f"it fails on a block of rows: {type(e).__name__}"
