@@ -1,4 +1,5 @@
 """Reduction engines behind one interface, created by name."""
-from .base import Handle, ReduceOp, Reducer, available_reducers, create_reducer, register_reducer
+from .base import Handle, ReduceOp, Reducer
+from .registry import available_reducers, create_reducer, register_reducer
 
 __all__ = ["Handle", "ReduceOp", "Reducer", "available_reducers", "create_reducer", "register_reducer"]

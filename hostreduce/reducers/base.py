@@ -1,4 +1,5 @@
-"""The one interface every reduction engine implements, and the registry of engines.
+"""The one interface every reduction engine implements (engines are chosen by name in
+``registry.py``).
 
 A reducer runs collectives over named numpy arrays that live in host memory:
 all-reduce, broadcast, all-gather, reduce-scatter, reduce, all-to-all (with per-rank
@@ -32,10 +33,8 @@ from ._args import (SUPPORTED_DTYPES, ReduceOp, apply_mean, check_array, check_c
 from .compression import compressed, parse_compression, wire_dtype
 from .groups import Group, make_group
 from .handle import Handle
-from .registry import available_reducers, create_reducer, register_reducer
 
-__all__ = ["ReduceOp", "Handle", "Group", "Reducer", "register_reducer", "create_reducer", "available_reducers",
-           "SUPPORTED_DTYPES", "check_array", "check_out", "is_low_precision", "apply_mean"]
+__all__ = ["ReduceOp", "Handle", "Group", "Reducer", "SUPPORTED_DTYPES", "check_array", "check_out", "is_low_precision", "apply_mean"]
 
 
 class Reducer(abc.ABC):

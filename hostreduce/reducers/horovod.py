@@ -55,7 +55,8 @@ from .job_end import add_job_abort, exit_at_once
 from .mpi.collectives import finish_mean
 from .mpi.p2p import PointToPoint
 from ._serial import SerialWorker
-from .base import Group, Handle, ReduceOp, Reducer, register_reducer
+from .base import Group, Handle, ReduceOp, Reducer
+from .registry import register_reducer
 
 __all__ = ["HorovodReducer", "HorovodUnavailableError", "import_horovod"]
 

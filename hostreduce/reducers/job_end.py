@@ -15,15 +15,22 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, NoReturn
-
-if TYPE_CHECKING:
-    from .base import Reducer
+from typing import Callable, NoReturn, Protocol
 
 __all__ = ["describe_exception", "track", "untrack", "note_peer_failure", "add_job_abort", "add_clean_exit_hook",
            "flush_std_streams", "exit_at_once"]
 
 _log = logging.getLogger("hostreduce")
+
+
+class LiveReducer(Protocol):
+    """What the exit hook needs of a reducer (``base.Reducer`` is one)."""
+
+    name: str
+
+    def close(self) -> None: ...
+
+    def _abort(self, reason: str) -> None: ...
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -38,7 +45,7 @@ def describe_exception(exc: BaseException) -> str:
 # server threads (a concurrent.futures pool, which the interpreter joins at exit) may be
 # waiting on a peer that is itself exiting, so without the hook two workers that never
 # call close() would wait for each other forever.
-_LIVE: "weakref.WeakSet[Reducer]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[LiveReducer]" = weakref.WeakSet()
 _JOB_ABORTS: list[Callable[[str], None]] = []
 _CLEAN_EXIT_HOOKS: list[Callable[[], None]] = []
 _hooks_lock = threading.Lock()
@@ -71,13 +78,13 @@ def _install_exit_hooks() -> None:
         atexit.register(_exit_status_after_peer_failure)
 
 
-def track(reducer: "Reducer") -> None:
+def track(reducer: LiveReducer) -> None:
     """Close ``reducer`` at interpreter exit unless it is closed before (``untrack``)."""
     _install_exit_hooks()
     _LIVE.add(reducer)
 
 
-def untrack(reducer: "Reducer") -> None:
+def untrack(reducer: LiveReducer) -> None:
     _LIVE.discard(reducer)
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .base import Group, Handle, ReduceOp, Reducer, register_reducer
+from .base import Group, Handle, ReduceOp, Reducer
+from .registry import register_reducer
 
 
 @register_reducer("local")

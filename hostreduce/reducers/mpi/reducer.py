@@ -47,7 +47,8 @@ from ..job_end import add_job_abort, flush_std_streams
 from .collectives import Collectives
 from .p2p import PointToPoint
 from .._serial import Deadline, SerialWorker
-from ..base import Group, Handle, ReduceOp, Reducer, register_reducer
+from ..base import Group, Handle, ReduceOp, Reducer
+from ..registry import register_reducer
 
 __all__ = ["MPIReducer"]
 

@@ -29,7 +29,8 @@ import numpy as np
 
 from ...config import Config
 from ...errors import ConfigError, PeerLostError, ReducerClosedError
-from ..base import Group, Handle, ReduceOp, Reducer, register_reducer
+from ..base import Group, Handle, ReduceOp, Reducer
+from ..registry import register_reducer
 from .control import Control
 from .datapath import DataPath
 from .execution import Execution
