@@ -27,6 +27,7 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "NotByRowsError",
+    "with_framework_type",
 ]
 
 
@@ -135,3 +136,26 @@ class RankTimeoutError(HostReduceError, AssertionError):
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.stacks = dict(stacks or {})
+
+
+_framework_classes: dict[tuple[type, type], type] = {}
+
+
+def with_framework_type(error: HostReduceError, framework_class: type, init: "object" = None) -> HostReduceError:
+    """``error`` re-made as an instance of both its own class and ``framework_class``
+    (a framework's exception type, e.g. ``tf.errors.FailedPreconditionError``), so a
+    script that catches either keeps working. ``init(new)``, when given, initialises
+    the framework's part; the message, cause and traceback are ``error``'s.
+    """
+    key = (type(error), framework_class)
+    cls = _framework_classes.get(key)
+    if cls is None:
+        cls = _framework_classes[key] = type(type(error).__name__, key, {"__module__": type(error).__module__})
+    new = cls.__new__(cls, str(error))
+    if init is not None:
+        init(new)  # type: ignore[operator]
+    Exception.__init__(new, *error.args)
+    new.__dict__.update(error.__dict__)
+    new.__cause__ = error.__cause__
+    new.__traceback__ = error.__traceback__
+    return new

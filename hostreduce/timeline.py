@@ -41,6 +41,7 @@ class Timeline:
     def __init__(self, directory: str | os.PathLike[str] | None, rank: int = 0) -> None:
         self.directory = os.fspath(directory) if directory else None
         self.rank = rank
+        self._file: str | None = None
         self._events: list[dict[str, Any]] = []
         self._rows: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -56,7 +57,25 @@ class Timeline:
     def path(self) -> str | None:
         if self.directory is None:
             return None
+        if self._file is not None:
+            return self._file
         return os.path.join(self.directory, f"timeline-rank{self.rank}.json")
+
+    def start(self, file_path: str) -> None:
+        """Record from now on into ``file_path`` (``hvd.start_timeline``)."""
+        with self._lock:
+            self._file = file_path
+            self.directory = os.path.dirname(file_path) or "."
+            self._events, self._rows = [], {}
+        self._meta(STEP_ROW, "step")
+        self._meta(HANDOFF_ROW, "device->host hand-off")
+
+    def stop(self) -> None:
+        """Write what was recorded and stop recording (``hvd.stop_timeline``)."""
+        self.flush()
+        with self._lock:
+            self.directory, self._file = None, None
+            self._events, self._rows = [], {}
 
     def _meta(self, tid: int, name: str) -> None:
         self._events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}})

@@ -22,6 +22,12 @@ from ..ops.collectives import alltoall, grouped_reducescatter, reducescatter
 from ..ops.tensors import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allreduce, broadcast,
                    broadcast_variables, grouped_allreduce)
 from ..ops.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..ops.functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object,
+                             broadcast_object_fn, grouped_allgather, local_rank_op, local_size_op,
+                             process_set_included_op, rank_op, size_op)
+from ..ops.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous, mpi_built,
+                         mpi_enabled, mpi_threads_supported, nccl_built, rocm_built, start_timeline, stop_timeline)
+from . import elastic
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
@@ -29,10 +35,22 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Adasum", "Product", "ReduceOp", "Compression", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "reducescatter", "grouped_reducescatter",
     "alltoall", "NotInitializedError",
+    "allgather_object", "broadcast_object", "broadcast_object_fn", "grouped_allgather", "broadcast_",
+    "broadcast_global_variables", "BroadcastGlobalVariablesHook", "rank_op", "size_op", "local_rank_op",
+    "local_size_op", "process_set_included_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+    "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous",
+    "start_timeline", "stop_timeline", "elastic",
 ]
 
 # Names that need TensorFlow at import: loaded on first use.
-_LAZY = {"DistributedGradientTape": "..ops.tape"}
+_LAZY = {"DistributedGradientTape": "..ops.tape", "BroadcastGlobalVariablesHook": "..ops.hooks"}
+
+
+def _executing_eagerly() -> bool:
+    """Whether TensorFlow runs eagerly here (a name Horovod's module also carries)."""
+    import tensorflow as tf
+
+    return bool(tf.executing_eagerly())
 
 
 def __getattr__(name: str) -> Any:

@@ -91,11 +91,17 @@ def tf_tensor(value: Any) -> Any:
 
 
 def scale(tensor: Any, factor: Any, argument: str) -> Any:
+    """``tensor * factor``, as Horovod scales: integers in float64 and truncated back,
+    16-bit floats in float32 and rounded back, other floats in their own dtype."""
     import tensorflow as tf
 
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor == 1:
         return tensor
-    if not tensor.dtype.is_floating:
-        raise ConfigError(f"`{argument}` needs a floating-point tensor. Received: {argument}={factor!r} "
-                          f"for a tensor of dtype {tensor.dtype.name}")
-    return tensor * tf.cast(factor, tensor.dtype)
+    dtype = tensor.dtype
+    if dtype == tf.bool or not (dtype.is_floating or dtype.is_integer):
+        raise ConfigError(f"`{argument}` needs a numeric tensor. Received: {argument}={factor!r} "
+                          f"for a tensor of dtype {dtype.name}")
+    wide = tf.float64 if dtype.is_integer else tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+    if wide == dtype:
+        return tensor * tf.cast(factor, dtype)
+    return tf.cast(tf.cast(tensor, wide) * tf.cast(factor, wide), dtype)

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..streaming.host_collective import host_collective
 from . import job as _engine
+from .tf_errors import tf_errors
 from .compression import Compression
 from .arguments import check_compression, kind_of, resolve_op, scale
 from .process_sets import global_process_set, group_of
@@ -32,6 +33,7 @@ def _size_of(group: Any) -> int:
     return _engine.size() if group is None else group.size
 
 
+@tf_errors
 def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = None,
                   name: str | None = None, process_set: Any = global_process_set, ignore_name_scope: bool = False,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
@@ -56,6 +58,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     return scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
 
 
+@tf_errors
 def grouped_reducescatter(tensors: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = None,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[Any]:
@@ -66,6 +69,7 @@ def grouped_reducescatter(tensors: Any, device_dense: str = "", compression: Any
             for i, t in enumerate(tensors)]
 
 
+@tf_errors
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
              process_set: Any = global_process_set) -> Any:
     """Send rows ``splits[j]`` of ``tensor`` (in order along axis 0) to rank j of the set

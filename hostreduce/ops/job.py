@@ -11,6 +11,7 @@ closed by :func:`shutdown` or at exit.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import threading
@@ -246,6 +247,10 @@ def cross_size() -> int:
 # the same collective everywhere. Counting per traced graph, not per process, keeps
 # names equal when one rank retraces a function that another did not.
 _graph_counts: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+# TF1 graphs (``tf.Graph``, run by a ``Session``) have no name: they are numbered in the
+# order this process first builds a collective into them, which every rank shares.
+_graph_numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_graph_counter = itertools.count(1)
 _eager_counts: dict[str, int] = {}
 _names_lock = threading.Lock()
 
@@ -267,4 +272,15 @@ def collective_name(kind: str, name: str | None) -> str:
         graph = tf.compat.v1.get_default_graph()
         counts = _graph_counts.setdefault(graph, {})
         count = counts[kind] = counts.get(kind, 0) + 1
-        return f"hvd.{graph.name}.{kind}.{count}"
+        return f"hvd.{_graph_name(graph)}.{kind}.{count}"
+
+
+def _graph_name(graph: Any) -> str:
+    """A traced function's graph by its name; a TF1 graph by its number."""
+    name = getattr(graph, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    number = _graph_numbers.get(graph)
+    if number is None:
+        number = _graph_numbers[graph] = next(_graph_counter)
+    return f"graph{number}"

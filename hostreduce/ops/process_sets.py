@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError, HostReduceError
 from . import job as _engine
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of",
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of", "find",
            "register_initial"]
 
 
@@ -145,3 +145,11 @@ def forget_all() -> None:
         for ps in _registered.values():
             ps.process_set_id, ps._group = None, None
         _registered.clear()
+
+
+def find(process_set_id: int) -> ProcessSet | None:
+    """The registered set with ``process_set_id`` (0: the whole job), or None."""
+    if process_set_id == 0:
+        return global_process_set
+    with _lock:
+        return _registered.get(process_set_id)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedCallError
 from ..streaming import Collective, exchange
 from . import job as _engine
+from .tf_errors import tf_errors
 from .arguments import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, check_compression, kind_of, on_set, resolve_op,
                         scale, tf_tensor)
 from .collectives import group_allgather, group_allreduce, group_broadcast
@@ -43,9 +44,9 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
             plan.append(("none", None))
         elif isinstance(tensor, tf.IndexedSlices):
             if op is not Average and op is not Sum:
-                raise ConfigError(f"Only Sum and Average are supported with tf.IndexedSlices. Received: op={op!r}")
+                raise UnsupportedCallError(f"Only Sum and Average are supported with tf.IndexedSlices. Received: op={op!r}")
             if prescale_factor != 1.0 or postscale_factor != 1.0:
-                raise ConfigError("`prescale_factor` and `postscale_factor` are not supported with tf.IndexedSlices. "
+                raise UnsupportedCallError("`prescale_factor` and `postscale_factor` are not supported with tf.IndexedSlices. "
                                   f"Received: prescale_factor={prescale_factor!r}, "
                                   f"postscale_factor={postscale_factor!r}")
             plan.append(("sparse", (len(flat), tensor.dense_shape)))
@@ -102,6 +103,7 @@ def reduce_gradients(gradients: Sequence[Any], labels: Sequence[str], *, op: Red
                           compression=compression, prescale_factor=pre, postscale_factor=post)
 
 
+@tf_errors
 def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_sparse: str = "",
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None, process_set: Any = global_process_set,
@@ -140,6 +142,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
                           postscale_factor=postscale_factor, chained=True)[0]
 
 
+@tf_errors
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "", device_sparse: str = "",
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set,
@@ -163,6 +166,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
+@tf_errors
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: Any = global_process_set) -> Any:
     """Concatenate every rank's ``tensor`` along axis 0, in rank order.
@@ -191,6 +195,7 @@ def _check_root(root_rank: Any, process_set: Any = None) -> int:
     return root_rank
 
 
+@tf_errors
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank (shape and dtype equal everywhere)."""
@@ -208,6 +213,7 @@ def _label(variable: Any, index: int) -> str:
     return str(getattr(variable, "path", None) or getattr(variable, "name", None) or f"variable{index}")
 
 
+@tf_errors
 def broadcast_variables(variables: Any, root_rank: int, process_set: Any = global_process_set,
                         inplace: bool = False) -> Any:
     """Assign ``root_rank``'s value to each variable on every rank.

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ConfigError
 from .compression import divide16
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_array", "check_out", "check_counts", "even_counts",
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_array", "check_reducible", "check_out", "check_counts", "even_counts",
            "is_low_precision", "apply_mean"]
 
 
@@ -35,7 +35,8 @@ class ReduceOp(str, enum.Enum):
 
 
 def _supported_dtypes() -> tuple[np.dtype, ...]:
-    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64")]
+    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint8", "int8", "uint16",
+                                    "int16", "bool")]
     try:  # bfloat16 comes from ml_dtypes (a TensorFlow dependency), when present.
         import ml_dtypes
 
@@ -59,6 +60,14 @@ def check_array(name: Any, array: Any) -> np.ndarray:
             f"Received: dtype={arr.dtype}"
         )
     return arr
+
+
+def check_reducible(name: str, arr: np.ndarray) -> None:
+    """Reductions need numbers: ``bool`` arrays are moved (broadcast, all-gather,
+    all-to-all, send) but not reduced, as in Horovod."""
+    if arr.dtype == np.bool_:
+        raise ConfigError(f"Tensor {name!r}: a reduction needs a numeric dtype; bool tensors can be broadcast, "
+                          f"all-gathered or sent. Received: dtype={arr.dtype}")
 
 
 def check_out(name: str, arr: np.ndarray, out: Any, contiguous: bool = False) -> None:

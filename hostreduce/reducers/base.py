@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, ReducerClosedError
 from . import job_end
-from ._args import (SUPPORTED_DTYPES, ReduceOp, apply_mean, check_array, check_counts, check_out, even_counts,
+from ._args import (SUPPORTED_DTYPES, ReduceOp, apply_mean, check_array, check_reducible, check_counts, check_out, even_counts,
                     is_low_precision)
 
 from .compression import compressed, parse_compression, wire_dtype
@@ -374,6 +374,7 @@ class Reducer(abc.ABC):
                          group: Any) -> tuple[np.ndarray, ReduceOp, np.ndarray | None, Group]:
         self._check_open()
         arr = check_array(name, array)
+        check_reducible(name, arr)
         rop = ReduceOp.parse(op)
         check_out(name, arr, out, self.out_contiguous)
         return arr, rop, out, self._group(group)

@@ -94,6 +94,9 @@ def _check_dtype(tensor: Any, collective: Collective) -> None:
             f"Tensor {collective.display!r}: dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}. "
             f"Received: dtype={tensor.dtype.name}"
         )
+    if dtype == np.bool_ and collective.kind in ("allreduce", "reducescatter", "reduce"):
+        raise ConfigError(f"Tensor {collective.display!r}: a reduction needs a numeric dtype; bool tensors can be "
+                          f"broadcast or all-gathered. Received: dtype={tensor.dtype.name}")
 
 
 def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Collective], *,

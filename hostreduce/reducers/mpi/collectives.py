@@ -29,6 +29,10 @@ _NATIVE = {
     np.dtype(np.float64): "DOUBLE",
     np.dtype(np.int32): "INT32_T",
     np.dtype(np.int64): "INT64_T",
+    np.dtype(np.int8): "INT8_T",
+    np.dtype(np.uint8): "UINT8_T",
+    np.dtype(np.int16): "INT16_T",
+    np.dtype(np.uint16): "UINT16_T",
 }
 _OPS = {ReduceOp.SUM: "SUM", ReduceOp.MEAN: "SUM", ReduceOp.MIN: "MIN", ReduceOp.MAX: "MAX", ReduceOp.PROD: "PROD"}
 
