@@ -100,7 +100,7 @@ def one_worker(monkeypatch: pytest.MonkeyPatch):
     import hostreduce.horovod as hvd
 
     for var in ("TF_CONFIG", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
-                "HOROVOD_RANK", "HOROVOD_SIZE"):
+                "HOROVOD_RANK", "HOROVOD_SIZE", "ASCEND_DEVICE_ID"):
         monkeypatch.delenv(var, raising=False)
     hvd.shutdown()
     yield

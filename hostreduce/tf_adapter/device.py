@@ -32,11 +32,11 @@ class DeviceHandle:
 def open(device_id: Any = None) -> DeviceHandle:  # noqa: A001 (TF Adapter's name)
     """A handle for ``device_id`` (default: ``ASCEND_DEVICE_ID``, else 0)."""
     if device_id is None:
-        device_id = os.environ.get("ASCEND_DEVICE_ID", "0")
+        text = os.environ.get("ASCEND_DEVICE_ID", "0")
         try:
-            device_id = int(device_id)
+            device_id = int(text)
         except ValueError:
-            raise ConfigError(f"`ASCEND_DEVICE_ID` must be an integer. Received: ASCEND_DEVICE_ID={device_id!r}") from None
+            raise ConfigError(f"`ASCEND_DEVICE_ID` must be an integer. Received: ASCEND_DEVICE_ID={text!r}") from None
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ConfigError(f"`device_id` must be a non-negative integer. Received: device_id={device_id!r}")
     return DeviceHandle(device_id)
