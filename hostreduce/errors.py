@@ -27,6 +27,7 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "NotByRowsError",
+    "UnsupportedCallError",
     "with_framework_type",
 ]
 
@@ -96,6 +97,11 @@ class WireError(HostReduceError, ValueError):
 
 class JobFailedError(HostReduceError):
     """The job a ps task served ended by a failure (the chief's, or the chief was lost)."""
+
+
+class UnsupportedCallError(HostReduceError, NotImplementedError):
+    """A name of a ported API (TF Adapter's ``npu.distribute``, HCCL's ops) that hostreduce
+    keeps but cannot run; the message says what to use instead."""
 
 
 class NotByRowsError(HostReduceError):

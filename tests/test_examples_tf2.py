@@ -5,7 +5,11 @@
 * ``examples/custom_loop/train.py`` (``hvd.DistributedGradientTape`` in a ``tf.function``
   step);
 * ``tests/npu_workers/npu_custom_loop.py`` (TF Adapter's ``npu.distribute`` calls,
-  ported to ``hostreduce.distribute``).
+  ported to ``hostreduce.distribute``);
+* ``tests/npu_workers/npu_ported_as_is.py`` (a TF Adapter script whose only change is
+  ``import npu_device as npu`` -> ``import hostreduce as npu``: ``npu.distribute``'s
+  calls, ``npu_distributed_keras_optimizer_wrapper`` with ``model.fit``, HCCL's ops and a
+  TF1 optimizer, each as TF Adapter names them).
 
 Every worker exits 0, the result is reported once, and every rank ends with bitwise
 the same weights. The scripts start from unseeded, so different, weights on each rank:
@@ -30,6 +34,7 @@ pytestmark = [pytest.mark.tf, pytest.mark.slow]
 KERAS = ROOT / "examples" / "keras" / "train.py"
 CUSTOM_LOOP = ROOT / "examples" / "custom_loop" / "train.py"
 NPU_LOOP = HERE / "npu_workers" / "npu_custom_loop.py"
+NPU_AS_IS = HERE / "npu_workers" / "npu_ported_as_is.py"
 _MPI_SKIP = mpi_skip_reason()
 needs_mpi = pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 TIMEOUT = 180.0
@@ -95,3 +100,15 @@ def test_npu_custom_loop_under_launcher(tmp_path: Path) -> None:
 def test_npu_custom_loop_under_mpirun(tmp_path: Path) -> None:
     worker = run_mpirun(NPU_LOOP, ["20", str(tmp_path)], env=base_env(), timeout=TIMEOUT)
     _check_job(worker, tmp_path, "TF Adapter-style loop under mpirun", "RESULT rank 1/2")
+
+
+def test_npu_script_renamed_import_under_launcher(tmp_path: Path) -> None:
+    worker = run_launcher(NPU_AS_IS, ["6", str(tmp_path)], env=base_env(), timeout=TIMEOUT)
+    _check_job(worker, tmp_path, "TF Adapter script (import renamed) under hostreduce run", "RESULT rank 1/2")
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_npu_script_renamed_import_under_mpirun(tmp_path: Path) -> None:
+    worker = run_mpirun(NPU_AS_IS, ["6", str(tmp_path)], env=base_env(), timeout=TIMEOUT)
+    _check_job(worker, tmp_path, "TF Adapter script (import renamed) under mpirun", "RESULT rank 1/2")

@@ -218,3 +218,14 @@ def test_lower_layers_import_without_tensorflow():
                              timeout=120)
         assert res.returncode == 0, (unit, res.stderr[-2000:])
         assert res.stdout.strip() == "[]", f"{unit}: imports TensorFlow at module level: {res.stdout.strip()}"
+
+
+def test_every_public_unit_is_an_attribute_of_the_package():
+    """``import hostreduce`` then ``hostreduce.X`` reaches every public unit (imported on
+    first access), so a script ported by renaming its import (``import hostreduce as npu``)
+    finds ``npu.distribute``, ``npu.hccl``, ... without importing them by name."""
+    import hostreduce
+
+    public = {_unit(m) for m in MODULES} - {"__init__", "__main__"}
+    public = {u for u in public if not _private(u)}
+    assert public <= set(dir(hostreduce)), sorted(public - set(dir(hostreduce)))

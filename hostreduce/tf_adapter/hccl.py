@@ -1,7 +1,8 @@
 """HCCL's collective ops and group management (TF Adapter's ``hccl_ops`` and
 ``hccl.manage.api``) on hostreduce's engines.
 
-A script ported from Ascend changes its imports::
+A script ported from Ascend changes its imports (or, where it wrote ``import npu_device
+as npu``, only that line: ``npu.hccl`` is this module on ``import hostreduce as npu``)::
 
     from npu_bridge.hccl import hccl_ops        ->  from hostreduce import hccl as hccl_ops
     from hccl.manage.api import create_group    ->  from hostreduce.hccl import create_group
@@ -14,6 +15,15 @@ engine on the host when its input exists, eagerly or inside ``tf.function``.
 Reductions: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` (HCCL has no mean). ``fusion``
 and ``fusion_id`` are accepted and checked; hostreduce's engines fuse on their own.
 ``reduce`` returns the result on the root and the input unchanged elsewhere.
+
+The names and argument orders are TF Adapter's. Where its TF1 (``npu_bridge``) and TF2
+(``npu_device``) ``hccl_ops`` differ (``allgather`` and ``reduce_scatter`` take
+``fusion, fusion_id`` before ``group`` in TF1 only), the TF1 order is the signature and a
+group name passed where ``fusion`` stands is taken as the group, so calls written for
+either run. ``set_split_strategy_by_idx``/``set_split_strategy_by_size`` (``hccl.split.api``)
+are checked and have no effect. The RDMA ops (``remote_read``, ``remote_ref_read``,
+``remote_write``, ``remote_scatter_write``, ``gather_all_to_all_v``) raise
+:class:`~hostreduce.errors.UnsupportedCallError` naming what to use instead.
 """
 from __future__ import annotations
 
@@ -22,14 +32,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, TensorMismatchError
+from ..errors import ConfigError, TensorMismatchError, UnsupportedCallError
 from ..ops import job as _engine
 from ..ops.collectives import on_host
 
 __all__ = ["WORLD_GROUP", "create_group", "destroy_group", "get_rank_size", "get_local_rank_size", "get_rank_id",
            "get_local_rank_id", "get_world_rank_from_group_rank", "get_group_rank_from_world_rank",
            "allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "send", "receive",
-           "all_to_all_v_dynamic"]
+           "all_to_all_v", "all_to_all_v_dynamic", "all_to_all_v_c", "set_split_strategy_by_idx",
+           "set_split_strategy_by_size", "gather_all_to_all_v", "remote_read", "remote_ref_read", "remote_write",
+           "remote_scatter_write"]
 
 WORLD_GROUP = "hccl_world_group"
 _REDUCTIONS = ("sum", "prod", "max", "min")
@@ -155,6 +167,17 @@ def check_fusion(fusion: Any, fusion_id: Any) -> None:
             raise ConfigError(f"`{argument}` must be an integer. Received: {argument}={value!r}")
 
 
+def _group_in_fusion(fusion: Any, fusion_id: Any, group: Any) -> tuple[Any, Any, Any]:
+    """TF2's ``allgather``/``reduce_scatter`` take ``group`` where TF1's take ``fusion``: a
+    name in that place is the group."""
+    if not isinstance(fusion, str):
+        return fusion, fusion_id, group
+    if group != WORLD_GROUP and group != fusion:
+        raise ConfigError(f"`group` is given twice, as {fusion!r} (in the place of `fusion`) and as {group!r}. "
+                          f"Received: fusion={fusion!r}, group={group!r}")
+    return 0, fusion_id, fusion
+
+
 def _run(kind: str, run: Any, inputs: list[Any], dtypes: list[Any], shapes: list[Any]) -> list[Any]:
     return on_host(f"hccl {kind}", run, inputs, dtypes, shapes)
 
@@ -174,10 +197,12 @@ def allreduce(tensor: Any, reduction: str, fusion: int = 1, fusion_id: int = -1,
                 [tensor.shape])[0]
 
 
-def allgather(tensor: Any, rank_size: int, group: str = WORLD_GROUP) -> Any:
+def allgather(tensor: Any, rank_size: int, fusion: int = 0, fusion_id: int = -1, group: str = WORLD_GROUP) -> Any:
     """Every rank's ``tensor`` concatenated along axis 0 in group-rank order."""
     import tensorflow as tf
 
+    fusion, fusion_id, group = _group_in_fusion(fusion, fusion_id, group)
+    check_fusion(fusion, fusion_id)
     g = _group(group)
     _check_rank_size(rank_size, group)
     tensor = tf.convert_to_tensor(tensor)
@@ -220,12 +245,13 @@ def reduce(tensor: Any, reduction: str, root_rank: int, fusion: int = 0, fusion_
     return _run("reduce", run, [tensor], [tensor.dtype], [tensor.shape])[0]
 
 
-def reduce_scatter(tensor: Any, reduction: str, rank_size: int, group: str = WORLD_GROUP, fusion: int = 0,
-                   fusion_id: int = -1) -> Any:
+def reduce_scatter(tensor: Any, reduction: str, rank_size: int, fusion: int = 0, fusion_id: int = -1,
+                   group: str = WORLD_GROUP) -> Any:
     """The reduction of every rank's ``tensor``, split evenly along axis 0: group rank r
     gets part r (the first dimension must divide by ``rank_size``, as in HCCL)."""
     import tensorflow as tf
 
+    fusion, fusion_id, group = _group_in_fusion(fusion, fusion_id, group)
     op, g = _reduction(reduction), _group(group)
     check_fusion(fusion, fusion_id)
     _check_rank_size(rank_size, group)
@@ -304,6 +330,75 @@ def all_to_all_v_dynamic(send_data: Any, send_counts: Any, send_displacements: A
         return [out]
 
     return _run("all_to_all_v", run, [data, *ints], [data.dtype], [tf.TensorShape([None])])[0]
+
+
+all_to_all_v = all_to_all_v_dynamic
+
+
+def all_to_all_v_c(send_data: Any, send_count_matrix: Any, rank: Any, fusion: int = 0, fusion_id: int = -1,
+                   group: str = WORLD_GROUP) -> Any:
+    """All-to-all of a flat ``send_data`` given every rank's counts:
+    ``send_count_matrix[i][j]`` elements go from group rank i to group rank j, packed in
+    rank order on both sides; ``rank`` is this rank's place in ``group``."""
+    import tensorflow as tf
+
+    check_fusion(fusion, fusion_id)
+    matrix = tf.cast(tf.convert_to_tensor(send_count_matrix), tf.int64)
+    if matrix.shape.rank != 2:
+        raise ConfigError(f"`send_count_matrix` must be a matrix (group size x group size). "
+                          f"Received: shape={matrix.shape}")
+    send_counts, recv_counts = matrix[rank], matrix[:, rank]
+    return all_to_all_v_dynamic(send_data, send_counts, tf.cumsum(send_counts, exclusive=True), recv_counts,
+                                tf.cumsum(recv_counts, exclusive=True), group)
+
+
+def _split_strategy(argument: str, values: Any, group: str) -> None:
+    _group(group)
+    listed = list(values) if isinstance(values, (list, tuple)) else None
+    if not listed or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in listed):
+        raise ConfigError(f"`{argument}` must be a non-empty list of non-negative numbers. "
+                          f"Received: {argument}={values!r}")
+
+
+def set_split_strategy_by_idx(idxList: Any, group: str = WORLD_GROUP) -> None:  # noqa: N803 (HCCL's name)
+    """Checked, no effect: the engines fuse gradients as they are produced."""
+    _split_strategy("idxList", idxList, group)
+
+
+def set_split_strategy_by_size(dataSizeList: Any, group: str = WORLD_GROUP) -> None:  # noqa: N803 (HCCL's name)
+    """Checked, no effect: the engines fuse gradients as they are produced."""
+    _split_strategy("dataSizeList", dataSizeList, group)
+
+
+def _unsupported(name: str, instead: str) -> UnsupportedCallError:
+    return UnsupportedCallError(f"hostreduce.hccl.{name} is not supported: it reads or writes another device's "
+                                f"memory by address (RDMA). Use {instead} instead.")
+
+
+def gather_all_to_all_v(addrinfo: Any, addrinfo_count_per_rank: Any, recv_counts: Any, recv_displacements: Any,
+                        dtype: Any, addr_length: Any, group: str = WORLD_GROUP) -> Any:
+    raise _unsupported("gather_all_to_all_v", "all_to_all_v(send_data, send_counts, send_displacements, "
+                       "recv_counts, recv_displacements) on the gathered data")
+
+
+def remote_read(tensorRemote: Any, data_type: Any) -> Any:  # noqa: N803 (HCCL's name)
+    raise _unsupported("remote_read", "parameter servers (hostreduce.ParameterServerStrategy) for tables "
+                       "read by rows, or all_to_all_v to exchange rows")
+
+
+def remote_ref_read(tensorRemote: Any, cache: Any, offset: Any) -> Any:  # noqa: N803 (HCCL's name)
+    raise _unsupported("remote_ref_read", "parameter servers (hostreduce.ParameterServerStrategy) for tables "
+                       "read by rows, or all_to_all_v to exchange rows")
+
+
+def remote_write(tensorRemote: Any, tensorLocal: Any, data_type: Any) -> Any:  # noqa: N803 (HCCL's name)
+    raise _unsupported("remote_write", "parameter servers (hostreduce.ParameterServerStrategy) for tables "
+                       "updated by rows, or send/receive")
+
+
+def remote_scatter_write(tensorRemote: Any, tensorLocal: Any, offset: Any) -> Any:  # noqa: N803 (HCCL's name)
+    raise _unsupported("remote_scatter_write", "parameter servers (hostreduce.ParameterServerStrategy) for "
+                       "tables updated by rows, or send/receive")
 
 
 def _check_rank_size(rank_size: Any, group: str) -> None:
