@@ -100,8 +100,9 @@ class JobFailedError(HostReduceError):
 
 
 class UnsupportedCallError(HostReduceError, NotImplementedError):
-    """A name of a ported API (TF Adapter's ``npu.distribute``, HCCL's ops) that hostreduce
-    keeps but cannot run; the message says what to use instead."""
+    """A name or argument combination of a ported API (TF Adapter's ``npu.distribute``,
+    HCCL's ops, Horovod's) that hostreduce keeps but cannot run, or that the peer also
+    refuses as not implemented; the message says what to use instead."""
 
 
 class NotByRowsError(HostReduceError):
@@ -157,7 +158,11 @@ def with_framework_type(error: HostReduceError, framework_class: type, init: "ob
     cls = _framework_classes.get(key)
     if cls is None:
         cls = _framework_classes[key] = type(type(error).__name__, key, {"__module__": type(error).__module__})
-    new = cls.__new__(cls, str(error))
+    # Allocate with the builtin exception type whose instance layout is the largest (an
+    # OSError for a TimeoutError subclass), which the class's layout is.
+    layout = max((b for b in cls.__mro__ if b.__module__ == "builtins" and issubclass(b, BaseException)),
+                 key=lambda b: b.__basicsize__)
+    new = layout.__new__(cls, str(error))
     if init is not None:
         init(new)  # type: ignore[operator]
     Exception.__init__(new, *error.args)

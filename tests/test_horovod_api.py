@@ -115,9 +115,14 @@ def test_clear_errors_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
             hvd.broadcast(x, root_rank=1)
         with pytest.raises(ConfigError, match="`compression` must be"):
             hvd.allreduce(x, compression="fp16")
-        with pytest.raises(ConfigError, match="dtype must be one of"):
+        with pytest.raises(ConfigError, match="a reduction needs a numeric dtype"):
             hvd.allreduce(tf.constant([True]))
-        with pytest.raises(ConfigError, match="Only Sum and Average are supported with tf.IndexedSlices"):
+        with pytest.raises(ConfigError, match="dtype must be one of"):
+            hvd.allgather(tf.constant(["text"]))
+        # Horovod refuses these as not implemented; a tf.errors.InvalidArgumentError for bad arguments.
+        with pytest.raises(tf.errors.InvalidArgumentError, match="`root_rank` must be an integer"):
+            hvd.broadcast(x, root_rank=-1)
+        with pytest.raises(NotImplementedError, match="Only Sum and Average are supported with tf.IndexedSlices"):
             hvd.allreduce(tf.IndexedSlices(x, tf.constant([0, 1]), tf.constant([2])), op=hvd.Max)
         with pytest.raises(AttributeError, match="hostreduce.horovod does not provide 'join'"):
             hvd.join  # noqa: B018

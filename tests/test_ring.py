@@ -15,7 +15,7 @@ SIZES = [1, 2, 4]
 
 
 def numpy_reference(size: int, name: str) -> np.ndarray:
-    from hostreduce.reducers.base import SUPPORTED_DTYPES
+    from tests.ring_workers import SUPPORTED_DTYPES
 
     dname, op, n = name.split("/")
     dtype = next(d for d in SUPPORTED_DTYPES if d.name == dname)

@@ -11,7 +11,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from hostreduce.reducers.base import SUPPORTED_DTYPES
+from hostreduce.reducers.base import SUPPORTED_DTYPES as ALL_DTYPES
+# The engines' wide dtypes, which these checks sweep; the 8- and 16-bit integers and bool are
+# covered through the Horovod API (tests/test_horovod_dtypes.py).
+SUPPORTED_DTYPES = tuple(d for d in ALL_DTYPES if d.name in ("float16", "float32", "float64", "int32", "int64",
+                                                              "bfloat16"))
 from hostreduce.testing import run_ranks
 
 SIZE = 4

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..streaming.host_collective import host_collective
 from . import job as _engine
+from .gradients import differentiable
 from .tf_errors import tf_errors
 from .compression import Compression
 from .arguments import check_compression, kind_of, resolve_op, scale
@@ -50,12 +51,23 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         raise ConfigError(f"`tensor` must have at least one dimension to be scattered. Received: shape={tensor.shape}")
-    wire, ctx = compression.compress(scale(tensor, prescale_factor, "prescale_factor"))
-    out = on_host(f"reducescatter {full}",
-                          lambda r, a: [r.reduce_scatter(full, a[0], rop.engine_op, group=group).copy()
-                                        .reshape((-1,) + a[0].shape[1:])],
-                          [wire], [wire.dtype], [tf.TensorShape([None]).concatenate(tensor.shape[1:])])[0]
-    return scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
+
+    def forward(x: Any) -> Any:
+        wire, ctx = compression.compress(scale(x, prescale_factor, "prescale_factor"))
+        out = on_host(f"reducescatter {full}",
+                      lambda r, a: [r.reduce_scatter(full, a[0], rop.engine_op, group=group).copy()
+                                    .reshape((-1,) + a[0].shape[1:])],
+                      [wire], [wire.dtype], [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
+        return scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
+
+    def backward(x: Any, upstream: Any) -> Any:
+        from .tensors import allgather
+
+        factor = (_size_of(group) if rop.name == "Sum" else 1) * prescale_factor * postscale_factor
+        return allgather(upstream * tf.cast(factor, upstream.dtype) if factor != 1 else upstream,
+                         process_set=process_set)
+
+    return differentiable(tensor, forward, backward)
 
 
 @tf_errors
@@ -84,19 +96,33 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     if tensor.shape.rank == 0:
         raise ConfigError(f"`tensor` must have at least one dimension. Received: shape={tensor.shape}")
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    if splits is None:
-        return on_host(f"alltoall {full}",
-                               lambda r, a: [r.alltoall(full, a[0], group=group)[0]],
-                               [tensor], [tensor.dtype], [shape])[0]
-    splits_t = tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    size = _size_of(group)
 
     def run(r: Any, a: list[np.ndarray]) -> list[np.ndarray]:
-        received, counts = r.alltoall(full, a[0], [int(s) for s in a[1].reshape(-1)], group=group)
+        sent = None if len(a) == 1 else [int(s) for s in a[1].reshape(-1)]
+        received, counts = r.alltoall(full, a[0], sent, group=group)
         return [received, np.asarray(counts, np.int32)]
 
-    out, received = on_host(f"alltoall {full}", run, [tensor, splits_t], [tensor.dtype, tf.int32],
-                                    [shape, tf.TensorShape([_size_of(group)])])
-    return out, received
+    def exchange_rows(x: Any, sent: Any) -> tuple[Any, Any]:
+        inputs = [x] if sent is None else [x, sent]
+        out, received = on_host(f"alltoall {full}", run, inputs, [x.dtype, tf.int32], [shape, tf.TensorShape([size])])
+        return out, received
+
+    splits_t = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    received_splits: list[Any] = []
+
+    def forward(x: Any) -> Any:
+        out, received = exchange_rows(x, splits_t)
+        received_splits.append(received)
+        return out
+
+    def backward(x: Any, upstream: Any) -> Any:
+        return alltoall(upstream, splits=received_splits[0], process_set=process_set)[0]
+
+    out = differentiable(tensor, forward, backward)
+    if splits is None:
+        return out
+    return out, received_splits[0]
 
 
 def group_allreduce(tensor: Any, rop: Any, name: str, process_set: Any) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError, UnsupportedCallError
 from ..streaming import Collective, exchange
 from . import job as _engine
+from .gradients import differentiable, differentiable_group
 from .tf_errors import tf_errors
 from .arguments import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, check_compression, kind_of, on_set, resolve_op,
                         scale, tf_tensor)
@@ -132,14 +133,20 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
     check_compression(compression)
     rop = resolve_op(op, average)
     full_name = _engine.collective_name(kind_of("allreduce", process_set), name)
-    if on_set(process_set):
 
-        scaled = scale(tf_tensor(tensor), prescale_factor, "prescale_factor")
-        wire, ctx = compression.compress(scaled)
-        return scale(compression.decompress(group_allreduce(wire, rop, full_name, process_set), ctx),
-                      postscale_factor, "postscale_factor")
-    return reduce_tensors([tensor], rop, [full_name], compression=compression, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, chained=True)[0]
+    def forward(x: Any) -> Any:
+        if on_set(process_set):
+            wire, ctx = compression.compress(scale(tf_tensor(x), prescale_factor, "prescale_factor"))
+            return scale(compression.decompress(group_allreduce(wire, rop, full_name, process_set), ctx),
+                         postscale_factor, "postscale_factor")
+        return reduce_tensors([x], rop, [full_name], compression=compression, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, chained=True)[0]
+
+    def backward(x: Any, upstream: Any) -> Any:
+        return allreduce(upstream, op=rop, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                         process_set=process_set)
+
+    return differentiable(tensor, forward, backward)
 
 
 @tf_errors
@@ -162,8 +169,16 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
         return [allreduce(t, compression=compression, op=rop, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, name=f"{base}/{i}", process_set=process_set)
                 for i, t in enumerate(tensors)]
-    return reduce_tensors(list(tensors), rop, [f"{base}/{i}" for i in range(len(tensors))], compression=compression,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    def forward(xs: list[Any]) -> list[Any]:
+        return reduce_tensors(xs, rop, [f"{base}/{i}" for i in range(len(xs))], compression=compression,
+                              prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    def backward(upstreams: list[Any]) -> list[Any]:
+        return grouped_allreduce(upstreams, op=rop, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set)
+
+    return differentiable_group(list(tensors), forward, backward)
 
 
 @tf_errors
@@ -176,10 +191,21 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     """
     channel = _engine.channel()
     full_name = _engine.collective_name(kind_of("allgather", process_set), name)
-    if on_set(process_set):
 
-        return group_allgather(tensor, full_name, process_set)
-    return exchange(channel, [tensor], [Collective("allgather", full_name)], chained=True)[0]
+    def forward(x: Any) -> Any:
+        if on_set(process_set):
+            return group_allgather(x, full_name, process_set)
+        return exchange(channel, [x], [Collective("allgather", full_name)], chained=True)[0]
+
+    def backward(x: Any, upstream: Any) -> Any:
+        import tensorflow as tf
+
+        averaged = allreduce(upstream, op=Average, process_set=process_set)
+        rows = allgather(tf.reshape(tf.shape(x)[0], [1]), process_set=process_set)
+        members = process_set.ranks if on_set(process_set) else list(range(_engine.size()))
+        return tf.split(averaged, rows, axis=0, num=len(members))[members.index(_engine.rank())]
+
+    return differentiable(tensor, forward, backward)
 
 
 def _check_root(root_rank: Any, process_set: Any = None) -> int:
@@ -203,10 +229,17 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     subset = on_set(process_set)
     root = _check_root(root_rank, process_set)
     full_name = _engine.collective_name(kind_of("broadcast", process_set), name)
-    if subset:
 
-        return group_broadcast(tensor, root, full_name, process_set)
-    return exchange(channel, [tensor], [Collective("broadcast", full_name, root=root)], chained=True)[0]
+    def forward(x: Any) -> Any:
+        if subset:
+            return group_broadcast(x, root, full_name, process_set)
+        return exchange(channel, [x], [Collective("broadcast", full_name, root=root)], chained=True)[0]
+
+    def backward(x: Any, upstream: Any) -> Any:
+        averaged = allreduce(upstream, op=Average, process_set=process_set)
+        return averaged if _engine.rank() == root_rank else averaged * 0
+
+    return differentiable(tensor, forward, backward)
 
 
 def _label(variable: Any, index: int) -> str:

@@ -3,12 +3,14 @@
 One background thread (``_serial.py``) issues the collectives as MPI nonblocking
 operations (``collectives.py``), one at a time, in submission order, and drives
 each to completion with ``MPI_Test`` under a deadline of ``config.timeout_s``. Like
-plain MPI, this engine matches collectives by their position in the sequence, not by
-name: **every rank of a group must submit the group's collectives in the same order**.
-It does not compare names, shapes or ops across ranks for the reductions and broadcast
-(a disagreement shows up as an MPI error or as a timeout); all-gather and all-to-all
-exchange shapes first and raise ``TensorMismatchError`` on every rank when the trailing
-dimensions or dtypes disagree, and send/receive compare name, dtype and shape on both
+plain MPI, this engine matches collectives by their position in the sequence (and checks
+that the names agree): **every rank of a group must submit the group's collectives in the same order**.
+Before the data of a reduction or broadcast moves, the ranks compare the collective's
+name, dtype, shape, op and root with one all-gather of two numbers each (``agree``); a
+disagreement raises ``TensorMismatchError`` on every rank and the engine stays usable
+(as Horovod's negotiation refuses it). All-gather and all-to-all exchange shapes first
+and raise ``TensorMismatchError`` on every rank when the trailing dimensions or dtypes
+disagree, and send/receive compare name, dtype and shape on both
 ends (``p2p.py``), on a duplicate communicator of their own. Sends and receives
 are started in order on the same thread but finish in the background, so a rank may
 send before it receives.
@@ -195,22 +197,33 @@ class MPIReducer(Reducer):
         coll = self._on(group)
         return self._worker.submit(name, lambda deadline: self._under(deadline, lambda: run(coll)), timeout)
 
+    def _agreed(self, name: str, group: Group, what: str, arr: np.ndarray, detail: str,
+                run: Callable[[Collectives], Any]) -> Handle:
+        """``run`` once every rank of ``group`` has been found to run the same collective
+        on the same dtype and shape (``Collectives.agree``)."""
+        def checked(c: Collectives) -> Any:
+            c.agree(name, what, arr, detail)
+            return run(c)
+
+        return self._submit(name, group, checked)
+
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group) -> Handle:
-        return self._submit(name, group, lambda c: c.allreduce(arr, op, out))
+        return self._agreed(name, group, "all-reduce", arr, f"op={op.value}", lambda c: c.allreduce(arr, op, out))
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
-        return self._submit(name, group, lambda c: c.broadcast(arr, root))
+        return self._agreed(name, group, "broadcast", arr, f"root={root}", lambda c: c.broadcast(arr, root))
 
     def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
         return self._submit(name, group, lambda c: c.allgather(name, arr))
 
     def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
                               group: Group) -> Handle:
-        return self._submit(name, group, lambda c: c.reduce_scatter(arr, op, counts))
+        return self._agreed(name, group, "reduce-scatter", arr, f"op={op.value}, counts={counts}",
+                            lambda c: c.reduce_scatter(arr, op, counts))
 
     def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
-        return self._submit(name, group, lambda c: c.reduce(arr, op, root))
+        return self._agreed(name, group, "reduce", arr, f"op={op.value}, root={root}", lambda c: c.reduce(arr, op, root))
 
     def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
         return self._submit(name, group, lambda c: c.alltoall(name, arr, splits))
