@@ -22,6 +22,7 @@ __all__ = [
     "InputNotCheckpointable",
     "NotInitializedError",
     "HorovodUnavailableError",
+    "NotSupportedError",
     "WireError",
     "JobFailedError",
     "RankFailedError",
@@ -86,6 +87,10 @@ class NotInitializedError(HostReduceError, ValueError):
 
 class HorovodUnavailableError(ConfigError, ImportError):
     """Horovod (with TensorFlow support) cannot be imported in this environment."""
+
+
+class NotSupportedError(HostReduceError, NotImplementedError):
+    """A Horovod feature hostreduce does not provide (yet); the message names what to use."""
 
 
 class WireError(HostReduceError, ValueError):
