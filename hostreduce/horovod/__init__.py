@@ -29,10 +29,15 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Adasum", "Product", "ReduceOp", "Compression", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "reducescatter", "grouped_reducescatter",
     "alltoall", "NotInitializedError",
+    # Optimizers, partial tape, synchronized batch normalization (loaded lazily: they need TensorFlow).
+    "DistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
 ]
 
 # Names that need TensorFlow at import: loaded on first use.
 _LAZY = {"DistributedGradientTape": "..ops.tape"}
+# Optimizers, partial tape, synchronized batch normalization.
+_LAZY.update({"DistributedOptimizer": ".optimizers", "PartialDistributedGradientTape": "..ops.tape",
+              "SyncBatchNormalization": "..ops.sync_batch_norm"})
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ from .arguments import Average, ReduceOp
 from .process_sets import global_process_set
 from .tensors import allreduce, reduce_tensors
 
-__all__ = ["ReduceSpec", "SourceKey", "source_key", "reduce_some", "LocalAggregation", "check_passes"]
+__all__ = ["ReduceSpec", "SourceKey", "source_key", "label_of", "reduce_some", "LocalAggregation", "check_passes",
+           "layers_list"]
 
 
 class SourceKey:
@@ -54,6 +55,24 @@ def source_key(source: Any) -> Any:
 
 def label_of(source: Any, index: int) -> str:
     return str(getattr(source, "path", None) or getattr(source, "name", None) or f"source{index}")
+
+
+def layers_list(local_layers: Any) -> list[Any]:
+    """``local_layers`` (None, a Keras layer of any loaded Keras, or a list of them) as a list."""
+    from ..host.kerases import loaded_kerases
+
+    def is_layer(value: Any) -> bool:
+        return any(isinstance(value, k.layers.Layer) for k in loaded_kerases())
+
+    if local_layers is None:
+        return []
+    if is_layer(local_layers):
+        return [local_layers]
+    layers = list(local_layers) if isinstance(local_layers, (list, tuple, set)) else None
+    if layers is None or not all(is_layer(layer) for layer in layers):
+        raise ConfigError("`local_layers` must be a Keras layer or a list of Keras layers. "
+                          f"Received: local_layers={local_layers!r}")
+    return layers
 
 
 def check_passes(backward_passes_per_step: Any) -> int:

@@ -105,7 +105,9 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_
         local_layers: a Keras layer or a list of them (None: no local layer).
         The other arguments are :func:`DistributedOptimizer`'s.
     """
-    layers = _local_layers(local_layers)
+    from ...ops.aggregation import layers_list
+
+    layers = layers_list(local_layers)
     wrapped = DistributedOptimizer(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                                    compression=compression, sparse_as_dense=sparse_as_dense,
                                    gradient_predivide_factor=gradient_predivide_factor, op=op,
@@ -116,24 +118,6 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_
         for variable in layer.trainable_weights:
             wrapped.register_local_var(variable)
     return wrapped
-
-
-def _local_layers(local_layers: Any) -> list[Any]:
-    """``local_layers`` as a list of Keras layers (of any loaded Keras)."""
-    from ...host.kerases import loaded_kerases
-
-    def is_layer(value: Any) -> bool:
-        return any(isinstance(value, k.layers.Layer) for k in loaded_kerases())
-
-    if local_layers is None:
-        return []
-    if is_layer(local_layers):
-        return [local_layers]
-    layers = list(local_layers) if isinstance(local_layers, (list, tuple, set)) else None
-    if layers is None or not all(is_layer(layer) for layer in layers):
-        raise ConfigError("`local_layers` must be a Keras layer or a list of Keras layers. "
-                          f"Received: local_layers={local_layers!r}")
-    return layers
 
 
 def allreduce(value: Any, name: str | None = None, average: Any = None, prescale_factor: float = 1.0,
