@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError, NotSupportedError
+from ..errors import ConfigError
 from ..ops.aggregation import ReduceSpec, check_passes
-from ..ops.arguments import Adasum, Average, check_compression, resolve_op
+from ..ops.arguments import Average, check_compression, resolve_op
 from ..ops.compression import Compression
 from ..ops.process_sets import ProcessSet, global_process_set
 from ..ops.tf1_optimizer import TF1DistributedOptimizer, is_tf1_optimizer
@@ -41,7 +41,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         backward_passes_per_step: sum the gradients of this many passes locally and
             reduce and apply once per that many; ``global_step`` (TF1) or
             ``iterations`` (Keras) still counts every pass.
-        op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``; ``Adasum`` is not supported.
+        op: ``Average`` (default), ``Sum``, ``Min`` or ``Max``; ``Adasum`` is refused (ConfigError).
         gradient_predivide_factor: with ``Average``, scale by ``1 / factor`` before the
             sum and ``factor / size`` after it.
         average_aggregated_gradients: divide the summed gradients by
@@ -54,9 +54,6 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     rop = resolve_op(op)
     check_compression(compression)
     passes = check_passes(backward_passes_per_step)
-    if rop is Adasum:
-        raise NotSupportedError("op=hvd.Adasum is not supported by hostreduce's DistributedOptimizer; use "
-                                f"op=hvd.Average (the default). Received: op={op!r}")
     if gradient_predivide_factor != 1.0 and rop is not Average:
         raise ConfigError("`gradient_predivide_factor` needs op=Average. "
                           f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")

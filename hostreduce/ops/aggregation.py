@@ -220,9 +220,13 @@ class LocalAggregation:
         present = [i for i, g in enumerate(summed) if g is not None]
         if not present:
             return list(summed)
-        result = tf.cond(tf.equal(count, passes),
-                         lambda: [reduce_and_reset()[i] for i in present],
-                         lambda: [keep()[i] for i in present])
+        def only_present(branch: Callable[[], list[Any]]) -> Callable[[], list[Any]]:
+            def run() -> list[Any]:
+                values = branch()  # once: each call makes its own collectives
+                return [values[i] for i in present]
+            return run
+
+        result = tf.cond(tf.equal(count, passes), only_present(reduce_and_reset), only_present(keep))
         result = tf.nest.flatten(result)
         out: list[Any] = [None] * len(summed)
         for i, g in zip(present, result):
