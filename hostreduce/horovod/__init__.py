@@ -40,10 +40,14 @@ __all__ = [
     "local_size_op", "process_set_included_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
     "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous",
     "start_timeline", "stop_timeline", "elastic",
+    # Optimizers, partial tape, synchronized batch normalization (loaded lazily: they need TensorFlow).
+    "DistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
 ]
 
 # Names that need TensorFlow at import: loaded on first use.
-_LAZY = {"DistributedGradientTape": "..ops.tape", "BroadcastGlobalVariablesHook": "..ops.hooks"}
+_LAZY = {"DistributedGradientTape": "..ops.tape", "BroadcastGlobalVariablesHook": "..ops.hooks",
+         "DistributedOptimizer": ".optimizers", "PartialDistributedGradientTape": "..ops.tape",
+         "SyncBatchNormalization": "..ops.sync_batch_norm"}
 
 
 def _executing_eagerly() -> bool:

@@ -6,7 +6,7 @@ The wrapped optimizer is an instance of a subclass of the user's optimizer class
 subclass per class, with the same name and module, so Keras saves it as the original
 class). Its update method (Keras 3 ``apply``, which ``apply_gradients`` and ``fit``'s
 train step call; tf_keras ``apply_gradients``) hands every gradient to the job's engine
-through :func:`hostreduce.ops.tensors.reduce_gradients`. Called inside the traced train
+through :func:`hostreduce.ops.aggregation.reduce_some`. Called inside the traced train
 step, that puts a hand-off op per gradient into the step's graph, so each reduction
 starts as soon as the backward pass has produced its gradient.
 
@@ -28,9 +28,9 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..host.kerases import check_not_xla, keras_of, optimizer_subclass, underlying_variable
+from ..host.kerases import check_not_xla, keras_of, loaded_kerases, optimizer_subclass, underlying_variable
 from . import job as _engine
-from .tensors import ReduceOp, reduce_gradients
+from .tensors import ReduceOp
 
 __all__ = ["WrapperConfig", "wrap_optimizer", "wrap_loaded_optimizer", "is_wrapped", "optimizer_variables"]
 
@@ -46,6 +46,10 @@ class WrapperConfig:
     sparse_as_dense: bool = False
     predivide: float = 1.0
     variables_on_host: bool = False
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    process_set: Any = None
+    scale_local_gradients: bool = True
 
 
 # Set while the wrapper runs the wrapped class's own update (the host-apply layer falls
@@ -82,11 +86,94 @@ def _on_host(variable: Any) -> bool:
 
 
 def _reduce(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+    """This pass's gradients made ready to apply: reduced (local variables' kept), or,
+    with ``backward_passes_per_step`` > 1, added to the local sums and reduced on every
+    that-many-th pass. Gradients that this optimizer's ``compute_gradients`` (or
+    ``get_gradients``) returned have been through this already and pass as they are."""
     check_not_xla()
-    config: WrapperConfig = optimizer._hostreduce_config
-    labels = [_label(v, i) for i, v in enumerate(variables)]
-    return reduce_gradients(grads, labels, op=config.op, compression=config.compression,
-                            sparse_as_dense=config.sparse_as_dense, predivide=config.predivide)
+    done = getattr(optimizer, "_hostreduce_done", None)
+    if done and all(g is None or any(g is d for d in done) for g in grads):
+        optimizer._hostreduce_done = None
+        return list(grads)
+    from .aggregation import reduce_some
+
+    helper = optimizer._agg_helper
+    if helper is not None:
+        return helper.compute_gradients(grads, variables)
+    return reduce_some(optimizer._hostreduce_spec, grads, variables)
+
+
+def _mark_reduced(optimizer: Any, grads: Sequence[Any]) -> None:
+    optimizer._hostreduce_done = [g for g in grads if g is not None]
+
+
+def _apply_every(optimizer: Any, apply: Any, variables: Sequence[Any]) -> Any:
+    """``apply()`` now, or, with local aggregation, only on the passes that reduced; the
+    other passes only count ``iterations`` (as in Horovod)."""
+    helper = optimizer._agg_helper
+    if helper is None:
+        return apply()
+    if not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
+        optimizer.build(list(variables))  # variables cannot be created inside the cond's branch
+
+    def skip() -> Any:
+        return optimizer.iterations.assign_add(1)
+
+    return helper.apply_gradients(apply, skip)
+
+
+def _compute_gradients(optimizer: Any, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> Any:
+    """Horovod's ``compute_gradients``/``_compute_gradients`` of a Keras optimizer: the
+    gradients of ``loss`` (a tensor recorded on ``tape``, or a callable) reduced over the
+    job (aggregated with ``backward_passes_per_step`` > 1), as (gradient, variable) pairs."""
+    import tensorflow as tf
+
+    tape = tf.GradientTape() if tape is None else tape
+    if callable(loss):
+        with tape:
+            if callable(var_list):
+                var_list = var_list()
+            tape.watch(var_list)
+            loss = loss()
+    if callable(var_list):
+        var_list = var_list()
+    var_list = list(var_list)
+    grads = tape.gradient(loss, var_list, grad_loss)
+    reduced = _reduce(optimizer, grads, var_list)
+    _mark_reduced(optimizer, reduced)
+    return list(zip(reduced, var_list))
+
+
+class _HorovodMethods:
+    """Methods Horovod's Keras wrapper has, for both Keras packages."""
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep the gradient of ``var`` local to this worker (not reduced; divided by the
+        number of workers when ``scale_local_gradients``), as Horovod does."""
+        if self._agg_helper is not None:
+            self._agg_helper.register_local_var(var)
+        else:
+            self._hostreduce_spec.register_local(var)
+
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> Any:
+        """The gradients of ``loss`` over ``var_list``, reduced over the job."""
+        return _compute_gradients(self, loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> Any:
+        return _compute_gradients(self, loss, var_list, grad_loss, tape)
+
+    def get_gradients(self, loss: Any, params: Any) -> Any:
+        """The wrapped class's ``get_gradients`` (where it has one), reduced over the job."""
+        base = getattr(self._hostreduce_base, "get_gradients", None)
+        if base is None:
+            raise ConfigError(f"{self._hostreduce_base.__name__} has no `get_gradients`; use "
+                              "`compute_gradients(loss, var_list, tape)` or `apply_gradients`. "
+                              f"Received: params={params!r}")
+        params = list(params)
+        grads = base(self, loss, params)
+        reduced = _reduce(self, grads, params)
+        _mark_reduced(self, reduced)
+        return reduced
 
 
 def _check_host_variables(variables: Sequence[Any]) -> None:
@@ -128,9 +215,13 @@ class _Keras3Update:
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         reduced = _reduce(self, grads, variables)
-        if self._hostreduce_config.variables_on_host:
-            return _host_apply(self, reduced, variables)
-        return base.apply(self, reduced, trainable_variables)
+
+        def apply() -> Any:
+            if self._hostreduce_config.variables_on_host:
+                return _host_apply(self, reduced, variables)
+            return base.apply(self, reduced, trainable_variables)
+
+        return _apply_every(self, apply, variables)
 
 
 class _TfKerasUpdate:
@@ -151,17 +242,32 @@ class _TfKerasUpdate:
         pairs = list(grads_and_vars)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         reduced = _reduce(self, grads, variables)
-        if self._hostreduce_config.variables_on_host and not args and not kwargs:
-            _host_apply(self, reduced, variables)
-            return self.iterations
-        if self._hostreduce_config.variables_on_host:
-            import tensorflow as tf
 
-            _check_host_variables(variables)
-            with tf.device(HOST), _unwrapped():
+        def apply() -> Any:
+            if self._hostreduce_config.variables_on_host and not args and not kwargs:
+                _host_apply(self, reduced, variables)
+                return self.iterations
+            if self._hostreduce_config.variables_on_host:
+                import tensorflow as tf
+
+                _check_host_variables(variables)
+                with tf.device(HOST), _unwrapped():
+                    return base.apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
+            with _unwrapped():
                 return base.apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
-        with _unwrapped():
-            return base.apply_gradients(self, list(zip(reduced, variables)), *args, **kwargs)
+
+        if self._agg_helper is None:
+            return apply()
+        _apply_every(self, apply, variables)
+        return self.iterations
+
+
+# Both kinds of wrapper have Horovod's methods (optimizer_subclass copies a class's own
+# methods only, so they are set here rather than inherited).
+for _method_name, _method in list(vars(_HorovodMethods).items()):
+    if callable(_method):
+        setattr(_Keras3Update, _method_name, _method)
+        setattr(_TfKerasUpdate, _method_name, _method)
 
 
 def _subclass(base: type, package: str) -> type:
@@ -175,6 +281,8 @@ def is_wrapped(optimizer: Any) -> bool:
 def _check_optimizer(optimizer: Any, argument: str) -> Any:
     """The Keras package of ``optimizer``, a Keras optimizer not wrapped yet."""
     package = keras_of(optimizer)
+    if package is None:  # a class of the user's own (defined in their module)
+        package = next((k for k in loaded_kerases() if isinstance(optimizer, k.optimizers.Optimizer)), None)
     if package is None or not isinstance(optimizer, package.optimizers.Optimizer):
         raise ConfigError(f"`{argument}` must be a Keras optimizer (Keras 3 or tf_keras). "
                           f"Received: {argument}={optimizer!r}")
@@ -199,7 +307,22 @@ def _new_wrapped(optimizer: Any, package: Any, config: WrapperConfig, name: str 
         raise ConfigError(f"Could not re-create {type(optimizer).__name__} from its get_config() to wrap it: "
                           f"{type(exc).__name__}: {exc}") from exc
     wrapped._hostreduce_config = config
+    _attach_reduction(wrapped, config, name or type(optimizer).__name__)
     return wrapped
+
+
+def _attach_reduction(wrapped: Any, config: WrapperConfig, name: str) -> None:
+    from .aggregation import LocalAggregation, ReduceSpec
+    from .process_sets import global_process_set
+
+    spec = ReduceSpec(config.op, config.compression, config.sparse_as_dense, config.predivide,
+                      config.process_set if config.process_set is not None else global_process_set,
+                      config.scale_local_gradients)
+    wrapped._hostreduce_spec = spec
+    wrapped._hostreduce_done = None
+    # ``_agg_helper``: Horovod's name (its tests read ``_agg_helper.counter``).
+    wrapped._agg_helper = None if config.backward_passes_per_step == 1 else LocalAggregation(
+        config.backward_passes_per_step, config.average_aggregated_gradients, spec, name=f"{name}_aggregation")
 
 
 def optimizer_variables(optimizer: Any) -> list[Any]:

@@ -15,42 +15,29 @@ import tensorflow as tf
 
 from ..errors import ConfigError
 from . import job as _engine
+from .aggregation import ReduceSpec, layers_list, reduce_some
 from .compression import Compression
-from .arguments import Average, check_compression, check_process_set, resolve_op
-from .process_sets import global_process_set
-from .tensors import reduce_gradients
+from .arguments import Average, check_compression, resolve_op
+from .process_sets import ProcessSet, global_process_set
 
-__all__ = ["DistributedGradientTape"]
-
-
-def _key(source: Any) -> Any:
-    ref = getattr(source, "ref", None)
-    return ref() if callable(ref) else id(source)
-
-
-def _label(source: Any, index: int) -> str:
-    return str(getattr(source, "path", None) or getattr(source, "name", None) or f"source{index}")
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 
 
 class _DistributedGradientTape(tf.GradientTape):
     """Records on the same tape as the wrapped one; ``gradient()`` reduces."""
 
-    def __init__(self, tape: tf.GradientTape, compression: Any, sparse_as_dense: bool, op: Any,
-                 predivide: float, scale_local_gradients: bool) -> None:
+    def __init__(self, tape: tf.GradientTape, spec: ReduceSpec) -> None:
         super().__init__(persistent=tape._persistent,
                          watch_accessed_variables=getattr(tape, "_watch_accessed_variables", True))
         self._tape = tape._tape  # the recording so far (None if the tape was never entered)
-        self._hvd_compression = compression
-        self._hvd_sparse_as_dense = sparse_as_dense
-        self._hvd_op = op
-        self._hvd_predivide = predivide
-        self._hvd_scale_local = scale_local_gradients
-        self._hvd_local: set[Any] = set()
+        self._hvd_spec = spec
+        self.process_set = spec.process_set
+        self.scale_local_gradients = spec.scale_local_gradients
 
     def register_local_source(self, source: Any) -> None:
         """Leave the gradient of ``source`` local to this worker (not reduced); it is
-        divided by ``size()`` when ``scale_local_gradients`` is True, as in Horovod."""
-        self._hvd_local.add(_key(source))
+        divided by the number of ranks when ``scale_local_gradients`` is True, as in Horovod."""
+        self._hvd_spec.register_local(source)
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
@@ -62,25 +49,18 @@ class _DistributedGradientTape(tf.GradientTape):
         gradients = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(gradients)
-        todo = [i for i, (s, g) in enumerate(zip(flat_sources, flat))
-                if g is not None and _key(s) not in self._hvd_local]
-        world = _engine.size()
-        reduced = reduce_gradients([flat[i] for i in todo], [_label(flat_sources[i], i) for i in todo],
-                                   op=self._hvd_op, compression=self._hvd_compression,
-                                   sparse_as_dense=self._hvd_sparse_as_dense, predivide=self._hvd_predivide)
-        out = list(flat)
-        for i, g in zip(todo, reduced):
-            out[i] = g
-        if self._hvd_scale_local and self._hvd_local:
-            for i, s in enumerate(flat_sources):
-                g = out[i]
-                if g is None or _key(s) not in self._hvd_local:
-                    continue
-                if isinstance(g, tf.IndexedSlices):
-                    out[i] = tf.IndexedSlices(g.values / tf.cast(world, g.values.dtype), g.indices, g.dense_shape)
-                else:
-                    out[i] = g / tf.cast(world, g.dtype)
-        return tf.nest.pack_sequence_as(gradients, out)
+        return tf.nest.pack_sequence_as(gradients, reduce_some(self._hvd_spec, flat, flat_sources))
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any, output_gradients: Any = None,
+                                       use_generic_names: bool = False) -> tuple[list[Any], list[Any]]:
+        """``gradient()``'s result split in two lists of (source, gradient) pairs: those of
+        the sources registered as local, and the others (reduced)."""
+        flat_sources = tf.nest.flatten(sources)
+        gradients = tf.nest.flatten(self.gradient(target, sources, output_gradients, use_generic_names))
+        local, reduced = [], []
+        for s, g in zip(flat_sources, gradients):
+            (local if self._hvd_spec.is_local(s) else reduced).append((s, g))
+        return local, reduced
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
@@ -100,12 +80,14 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
             the sum and ``factor / size()`` after it.
         num_groups, groups: accepted; every gradient is already handed off on its own
             as soon as it is produced, so explicit grouping changes nothing.
-        process_set: only the whole job is supported.
+        process_set: reduce over these ranks only (a registered ``hvd.ProcessSet``);
+            on ranks outside it ``gradient()`` returns the local gradients, as in Horovod.
         scale_local_gradients: divide the gradients of sources registered with
-            ``register_local_source`` by ``size()``.
+            ``register_local_source`` by the number of ranks.
     """
-    check_process_set(process_set)
     check_compression(compression)
+    if process_set is not None and not isinstance(process_set, ProcessSet):
+        raise ConfigError(f"`process_set` must be a hvd.ProcessSet. Received: process_set={process_set!r}")
     if not isinstance(gradtape, tf.GradientTape):
         raise ConfigError(f"`gradtape` must be a tf.GradientTape. Received: {type(gradtape).__name__}")
     rop = resolve_op(op)
@@ -116,5 +98,30 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         raise ConfigError("`groups` must be a positive integer or a list of lists of variables. "
                           f"Received: groups={groups!r}")
     _engine.job()  # fail here, not at gradient(), when init() was not called
-    return _DistributedGradientTape(gradtape, compression, bool(sparse_as_dense), rop,
-                                    float(gradient_predivide_factor), bool(scale_local_gradients))
+    spec = ReduceSpec(rop, compression, bool(sparse_as_dense), float(gradient_predivide_factor),
+                      process_set if process_set is not None else global_process_set, bool(scale_local_gradients))
+    return _DistributedGradientTape(gradtape, spec)
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                                   compression: Any = Compression.none, sparse_as_dense: bool = False,
+                                   op: Any = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None, process_set: Any = global_process_set,
+                                   local_layers: Any = None, scale_local_gradients: bool = True) -> Any:
+    """:func:`DistributedGradientTape` that leaves the gradients of ``local_layers``'
+    trainable variables local to each worker (not reduced; divided by the number of
+    ranks when ``scale_local_gradients``).
+
+    Args:
+        local_layers: a Keras layer (Keras 3 or tf_keras) or a list of them; None: no
+            local layer (then this is :func:`DistributedGradientTape`).
+        The other arguments are :func:`DistributedGradientTape`'s.
+    """
+    layers = layers_list(local_layers)
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            tape.register_local_source(variable)
+    return tape
+

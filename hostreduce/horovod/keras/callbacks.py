@@ -12,11 +12,12 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import ConfigError
+from ...host.kerases import loaded_kerases
 from ...ops import job as _engine
 from ...ops.tensors import Min, allreduce, broadcast_variables, grouped_allreduce
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint"]
 
 logger = logging.getLogger("hostreduce.horovod")
 
@@ -44,6 +45,15 @@ class _Callback:
 
 
 _concrete: dict[tuple[type, type], type] = {}
+
+
+def _is_variable(value: Any) -> bool:
+    import tensorflow as tf
+
+    if isinstance(value, tf.Variable):
+        return True
+    return any(getattr(k, "Variable", None) is not None and isinstance(value, k.Variable)
+               for k in loaded_kerases())
 
 
 def _optimizer_variables(optimizer: Any) -> list[Any]:
@@ -81,14 +91,33 @@ class BroadcastGlobalVariablesCallback(_Callback):
     Args: ``root_rank``; ``device`` is accepted (collectives run on the host).
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
+        self._local_vars: list[Any] = []
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        else:
+            local_variables = list(local_variables)
+            if not all(_is_variable(v) for v in local_variables):
+                raise ConfigError("`local_variables` must be a variable or a list of variables (tf.Variable or "
+                                  f"Keras variables). Received: local_variables={local_variables!r}")
+        for variable in local_variables:
+            self.register_local_var(variable)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var`` as it is on every rank: it is not broadcast."""
+        self._local_vars.append(var)
+
+    def _is_local(self, var: Any) -> bool:
+        return any(var is v for v in self._local_vars)
 
     def _broadcast(self) -> None:
-        broadcast_variables(self.model.variables, root_rank=self.root_rank)
+        broadcast_variables([v for v in self.model.variables if not self._is_local(v)], root_rank=self.root_rank)
         broadcast_variables(_optimizer_variables(self.model.optimizer), root_rank=self.root_rank)
         self.broadcast_done = True
 
@@ -254,3 +283,25 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.end_epoch - 1 and self.verbose > 0 and _engine.rank() == 0:  # type: ignore[operator]
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_get_value(self.model.optimizer.learning_rate):g}.")
+
+
+def BestModelCheckpoint(monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
+                        mode: str = "auto", save_freq: Any = "epoch") -> Any:
+    """Horovod's ``BestModelCheckpoint``: a Keras ``ModelCheckpoint`` with
+    ``save_best_only=True`` and no file path yet (Horovod's estimators set it).
+
+    Keras 3's ``ModelCheckpoint`` needs its path when it is made: this raises there,
+    naming ``keras.callbacks.ModelCheckpoint(filepath, save_best_only=True)`` to use instead.
+    """
+    import tensorflow as tf
+
+    checkpoint = tf.keras.callbacks.ModelCheckpoint
+    try:
+        return checkpoint(filepath=None, monitor=monitor, verbose=verbose, save_best_only=True,
+                          save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(
+            "BestModelCheckpoint() makes a ModelCheckpoint without a file path, which this Keras does not accept "
+            f"({type(exc).__name__}: {exc}). Use tf.keras.callbacks.ModelCheckpoint(filepath, monitor={monitor!r}, "
+            f"save_best_only=True) on rank 0. Received: monitor={monitor!r}, mode={mode!r}"
+        ) from exc
