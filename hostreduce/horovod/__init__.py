@@ -16,12 +16,12 @@ import importlib
 from typing import Any
 
 from ..ops.compression import Compression
-from ..ops.job import (NotInitializedError, cross_rank, cross_size, init, is_initialized, local_rank, local_size,
+from ..ops.job import (NotInitializedError, cross_rank, cross_size, is_initialized, local_rank, local_size,
                       rank, shutdown, size)
 from ..ops.collectives import alltoall, grouped_reducescatter, reducescatter
 from ..ops.tensors import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allreduce, broadcast,
                    broadcast_variables, grouped_allreduce)
-from ..ops.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..ops.process_sets import ProcessSet, add_process_set, global_process_set, init, remove_process_set
 from ..ops.functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object,
                              broadcast_object_fn, grouped_allgather, local_rank_op, local_size_op,
                              process_set_included_op, rank_op, size_op)

@@ -61,11 +61,9 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         return scale(compression.decompress(out, ctx), postscale_factor, "postscale_factor")
 
     def backward(x: Any, upstream: Any) -> Any:
-        from .tensors import allgather
-
         factor = (_size_of(group) if rop.name == "Sum" else 1) * prescale_factor * postscale_factor
-        return allgather(upstream * tf.cast(factor, upstream.dtype) if factor != 1 else upstream,
-                         process_set=process_set)
+        scaled = upstream * tf.cast(factor, upstream.dtype) if factor != 1 else upstream
+        return group_allgather(scaled, _engine.collective_name(kind_of("allgather", process_set), None), process_set)
 
     return differentiable(tensor, forward, backward)
 

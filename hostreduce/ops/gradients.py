@@ -35,6 +35,7 @@ def differentiable(tensor: Any, forward: Callable[[Any], Any], backward: Callabl
 
     @tf.custom_gradient
     def run(x: Any) -> Any:
+        @tf.autograph.experimental.do_not_convert
         def grad(upstream: Any) -> Any:
             return backward(x, upstream)
 
@@ -55,6 +56,7 @@ def differentiable_group(tensors: Sequence[Any], forward: Callable[[list[Any]], 
 
     @tf.custom_gradient
     def run(*xs: Any) -> Any:
+        @tf.autograph.experimental.do_not_convert
         def grad(*upstreams: Any) -> Any:
             return backward(list(upstreams))
 

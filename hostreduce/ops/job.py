@@ -130,14 +130,11 @@ def _close_at_exit() -> None:
             logger.warning("hostreduce.horovod: closing the job at exit failed: %s: %s", type(exc).__name__, exc)
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
+def init(comm: Any = None) -> None:
     """Find this process's place in the job. Safe to call more than once.
 
     Args:
         comm: accepted for Horovod compatibility; only None (the whole job) is supported.
-        process_sets: ProcessSets (or lists of ranks) to register at once, as
-            ``hvd.add_process_set`` does; ``"dynamic"`` (Horovod's flag to allow sets
-            added later) is accepted: sets can always be added later here.
     """
     global _job, _flush_registered
     if comm is not None:
@@ -151,10 +148,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             if _job.timeline.enabled and not _flush_registered:
                 _flush_registered = True
                 atexit.register(_flush_at_exit)
-    if process_sets is not None:
-        from .process_sets import register_initial
 
-        register_initial(process_sets)
 
 
 def _flush_at_exit() -> None:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from ..errors import ConfigError, HostReduceError
 from . import job as _engine
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of", "find",
+__all__ = ["init", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of", "find",
            "register_initial"]
 
 
@@ -153,3 +153,13 @@ def find(process_set_id: int) -> ProcessSet | None:
         return global_process_set
     with _lock:
         return _registered.get(process_set_id)
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """``hvd.init``: find this process's place in the job (:func:`job.init`) and register
+    ``process_sets`` (ProcessSets or lists of ranks) at once, as ``add_process_set``
+    does; ``"dynamic"`` (Horovod's flag for sets added later) is accepted, sets can
+    always be added later here."""
+    _engine.init(comm)
+    if process_sets is not None:
+        register_initial(process_sets)

@@ -197,13 +197,15 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
             return group_allgather(x, full_name, process_set)
         return exchange(channel, [x], [Collective("allgather", full_name)], chained=True)[0]
 
+    members = process_set.ranks if on_set(process_set) else list(range(_engine.size()))
+    mine = members.index(_engine.rank())
+
     def backward(x: Any, upstream: Any) -> Any:
         import tensorflow as tf
 
         averaged = allreduce(upstream, op=Average, process_set=process_set)
         rows = allgather(tf.reshape(tf.shape(x)[0], [1]), process_set=process_set)
-        members = process_set.ranks if on_set(process_set) else list(range(_engine.size()))
-        return tf.split(averaged, rows, axis=0, num=len(members))[members.index(_engine.rank())]
+        return tf.split(averaged, rows, axis=0, num=len(members))[mine]
 
     return differentiable(tensor, forward, backward)
 
@@ -235,9 +237,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
             return group_broadcast(x, root, full_name, process_set)
         return exchange(channel, [x], [Collective("broadcast", full_name, root=root)], chained=True)[0]
 
+    is_root = _engine.rank() == root_rank
+
     def backward(x: Any, upstream: Any) -> Any:
         averaged = allreduce(upstream, op=Average, process_set=process_set)
-        return averaged if _engine.rank() == root_rank else averaged * 0
+        return averaged if is_root else averaged * 0
 
     return differentiable(tensor, forward, backward)
 

@@ -15,7 +15,7 @@ from typing import Any
 from ...errors import ConfigError
 from ...ops import job as _engine
 from ...ops.compression import Compression
-from ...ops.job import (cross_rank, cross_size, init, is_initialized, local_rank, local_size, rank, shutdown,
+from ...ops.job import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank, shutdown,
                        size)
 from ...ops.arguments import Average, Max, Min, Sum, check_compression, resolve_op
 from ...ops.process_sets import ProcessSet, global_process_set
@@ -23,7 +23,7 @@ from ...ops.tensors import broadcast_variables
 from ...ops.optimizer import HOST, WrapperConfig, wrap_loaded_optimizer, wrap_optimizer
 from ...ops.tensors import allgather as _allgather, allreduce as _allreduce, broadcast as _broadcast
 from ...ops.collectives import reducescatter as _reducescatter
-from ...ops.process_sets import add_process_set, remove_process_set
+from ...ops.process_sets import add_process_set, init, remove_process_set
 from . import callbacks, elastic
 
 __all__ = [
