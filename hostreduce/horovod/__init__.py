@@ -23,7 +23,7 @@ from ..ops.tensors import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, al
                    broadcast_variables, grouped_allreduce)
 from ..ops.process_sets import ProcessSet, add_process_set, global_process_set, init, remove_process_set
 from ..ops.functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object,
-                             broadcast_object_fn, grouped_allgather, local_rank_op, local_size_op,
+                             broadcast_object_fn, grouped_allgather, join, local_rank_op, local_size_op,
                              process_set_included_op, rank_op, size_op)
 from ..ops.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous, mpi_built,
                          mpi_enabled, mpi_threads_supported, nccl_built, rocm_built, start_timeline, stop_timeline)
@@ -39,7 +39,7 @@ __all__ = [
     "broadcast_global_variables", "BroadcastGlobalVariablesHook", "rank_op", "size_op", "local_rank_op",
     "local_size_op", "process_set_included_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
     "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "is_homogeneous",
-    "start_timeline", "stop_timeline", "elastic",
+    "start_timeline", "stop_timeline", "elastic", "join",
     # Optimizers, partial tape, synchronized batch normalization (loaded lazily: they need TensorFlow).
     "DistributedOptimizer", "PartialDistributedGradientTape", "SyncBatchNormalization",
 ]

@@ -15,14 +15,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, HostReduceError
+from ..errors import ConfigError, HostReduceError, UnsupportedCallError
 from . import job as _engine
 from .tf_errors import tf_errors
 from .process_sets import ProcessSet, find, global_process_set, group_of
 
 __all__ = ["broadcast_object", "broadcast_object_fn", "allgather_object", "grouped_allgather", "broadcast_",
            "broadcast_global_variables", "rank_op", "size_op", "local_rank_op", "local_size_op",
-           "process_set_included_op", "PROCESS_SET_ERROR_INIT", "PROCESS_SET_ERROR_UNKNOWN_SET"]
+           "process_set_included_op", "join", "PROCESS_SET_ERROR_INIT", "PROCESS_SET_ERROR_UNKNOWN_SET"]
 
 # process_set_included_op's error codes, as Horovod's.
 PROCESS_SET_ERROR_INIT = -1
@@ -198,3 +198,13 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
     if not isinstance(process_set, ProcessSet):
         return _constant(PROCESS_SET_ERROR_UNKNOWN_SET, name)
     return _constant(1 if process_set.included() else 0, name)
+
+
+def join() -> Any:
+    """Horovod's ``join`` (a rank out of data joins the others' collectives with zeros)
+    is not supported: hostreduce's engines need every rank to run each collective."""
+    raise UnsupportedCallError(
+        "hvd.join() is not supported by hostreduce.horovod: every rank must run the same collectives. Give every "
+        "rank the same number of steps instead (shard the data evenly, e.g. with dataset.shard(hvd.size(), "
+        "hvd.rank()).repeat() and a fixed steps_per_epoch, or drop the remainder). Received: hvd.join()"
+    )

@@ -11,7 +11,7 @@ import functools
 from typing import Any, Callable, TypeVar
 
 from ..errors import (CollectiveTimeoutError, ConfigError, HostReduceError, PeerLostError, ReducerClosedError,
-                      TensorMismatchError, with_framework_type)
+                      TensorMismatchError, UnmatchedCollectiveError, with_framework_type)
 
 __all__ = ["as_tf_error", "tf_errors"]
 
@@ -20,6 +20,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # hostreduce error -> (tf.errors class, its error code), the first match in this order.
 _TYPES: tuple[tuple[type, str, str], ...] = (
     (TensorMismatchError, "FailedPreconditionError", "FAILED_PRECONDITION"),
+    # Ranks submitted different collectives at this point: they disagree, as a mismatch.
+    (UnmatchedCollectiveError, "FailedPreconditionError", "FAILED_PRECONDITION"),
     (CollectiveTimeoutError, "DeadlineExceededError", "DEADLINE_EXCEEDED"),
     (PeerLostError, "UnavailableError", "UNAVAILABLE"),
     (ReducerClosedError, "AbortedError", "ABORTED"),

@@ -34,6 +34,8 @@ per bucket, in the order it is called, on engines that match collectives by posi
 """
 from __future__ import annotations
 
+import zlib
+
 import dataclasses
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -123,6 +125,10 @@ class _Bucket:
         self.index, self.slots, self.buffer = index, slots, buffer
         names = tuple(s.name for s in slots)
         name = names[0] if len(names) == 1 else f"bucket:{names[0]}..{names[-1]}"
+        # The engine sees one flat buffer: the members' shapes travel in its name, so
+        # ranks whose tensors differ in shape but not in size do not reduce together.
+        shapes = ";".join(str(s.spec_shape) for s in slots)
+        name = f"{name}#{zlib.crc32(shapes.encode()):08x}"
         first = slots[0].collective
         self.spec = Bucket(name, names, first.op, buffer, index, first.compression)
         self.started: dict[int, Any] = {}   # slot position -> its tensor's handle, this step
