@@ -72,31 +72,6 @@ class Collectives:
             return wire16(MPI), op16(MPI, dtype, op)
         return getattr(MPI, _NATIVE[dtype]), getattr(MPI, _OPS[op])
 
-    def agree(self, name: str, what: str, arr: np.ndarray, detail: str = "") -> None:
-        """Check that every rank runs the same collective (name) on the same dtype and shape
-        (and ``detail``: op, root, counts) before any data moves, with one all-gather of two
-        numbers per rank; raises ``TensorMismatchError`` on every rank when they disagree,
-        and the engine stays usable (Horovod's negotiation refuses the same cases)."""
-        MPI, size = self.MPI, self.size
-        if size == 1:
-            return
-        mine = np.array([zlib.crc32(name.encode()),
-                         zlib.crc32(f"{what}|{arr.dtype.str}|{arr.dtype.name}|{arr.shape}|{detail}".encode())],
-                        np.int64)
-        meta = np.empty((size, 2), np.int64)
-        self.wait(self.comm.Iallgather([mine, MPI.INT64_T], [meta, MPI.INT64_T]))
-        names = [r for r in range(size) if meta[r, 0] != mine[0]]
-        if names:
-            raise TensorMismatchError(
-                f"Collective {name!r}: ranks {names} (of the communicator) ran another collective at this point; "
-                "every rank must submit the same collectives in the same order on this engine")
-        bad = [r for r in range(size) if meta[r, 1] != mine[1]]
-        if bad:
-            raise TensorMismatchError(
-                f"Tensor {name!r}: {what} needs the same dtype and shape{' and ' + detail.split('=')[0] if detail else ''}"
-                f" on every rank; ranks {bad} (of the communicator) disagree with this rank (dtype={arr.dtype}, "
-                f"shape={arr.shape}{', ' + detail if detail else ''})")
-
     def allreduce(self, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None) -> np.ndarray:
         MPI = self.MPI
         result = np.empty(arr.shape, arr.dtype) if out is None else out

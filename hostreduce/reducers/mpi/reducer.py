@@ -2,13 +2,12 @@
 
 One background thread (``_serial.py``) issues the collectives as MPI nonblocking
 operations (``collectives.py``), one at a time, in submission order, and drives
-each to completion with ``MPI_Test`` under a deadline of ``config.timeout_s``. Like
-plain MPI, this engine matches collectives by their position in the sequence (and checks
-that the names agree): **every rank of a group must submit the group's collectives in the same order**.
-Before the data of a reduction or broadcast moves, the ranks compare the collective's
-name, dtype, shape, op and root with one all-gather of two numbers each (``agree``); a
-disagreement raises ``TensorMismatchError`` on every rank and the engine stays usable
-(as Horovod's negotiation refuses it). All-gather and all-to-all exchange shapes first
+each to completion with ``MPI_Test`` under a deadline of ``config.timeout_s``. Before each
+collective the ranks agree on which one runs (``order.py``), comparing names and, for
+reductions and broadcasts, dtype, shape, op and root, with one all-gather of two numbers
+each: ranks may submit in different orders (a TF1 session runs independent ops in any
+order), and a disagreement raises ``TensorMismatchError`` on every rank while the engine
+stays usable (as Horovod's negotiation refuses it). All-gather and all-to-all exchange shapes first
 and raise ``TensorMismatchError`` on every rank when the trailing dimensions or dtypes
 disagree, and send/receive compare name, dtype and shape on both
 ends (``p2p.py``), on a duplicate communicator of their own. Sends and receives
@@ -47,6 +46,7 @@ import numpy as np
 from ...errors import ConfigError, HostReduceError, TensorMismatchError
 from ..job_end import add_job_abort, flush_std_streams
 from .collectives import Collectives
+from .order import Entry, Order, key_of
 from .p2p import PointToPoint
 from .._serial import Deadline, SerialWorker
 from ..base import Group, Handle, ReduceOp, Reducer
@@ -125,6 +125,7 @@ class MPIReducer(Reducer):
         self._p2p = PointToPoint(self._comm.Dup())
         self._worker = SerialWorker("mpi", self._rank, self._config.timeout_s, translate=self._translate,
                                     on_stop=self._free)
+        self._order = Order(self._translate)
         if self._size > 1:
             add_job_abort(abort_mpi_job)
         self._register_live()
@@ -197,36 +198,49 @@ class MPIReducer(Reducer):
         coll = self._on(group)
         return self._worker.submit(name, lambda deadline: self._under(deadline, lambda: run(coll)), timeout)
 
-    def _agreed(self, name: str, group: Group, what: str, arr: np.ndarray, detail: str,
-                run: Callable[[Collectives], Any]) -> Handle:
-        """``run`` once every rank of ``group`` has been found to run the same collective
-        on the same dtype and shape (``Collectives.agree``)."""
-        def checked(c: Collectives) -> Any:
-            c.agree(name, what, arr, detail)
-            return run(c)
+    def _ordered(self, name: str, group: Group, what: str, arr: np.ndarray, detail: str | None,
+                 run: Callable[[Collectives], Any]) -> Handle:
+        """``run`` when every rank of ``group`` runs this collective (``order.py``): ranks
+        may submit in different orders. ``detail`` (op, root, counts) is compared with
+        the dtype and shape; None: only the kind (the collective compares its own)."""
+        coll = self._on(group)
+        fields = f"{what}|{arr.dtype.str}|{arr.dtype.name}|{arr.shape}|{detail}" if detail is not None else what
+        describe = (f"{what} needs the same dtype and shape ({detail.split('=')[0] if detail else ''}) on every rank "
+                    f"(here: dtype={arr.dtype}, shape={arr.shape}{', ' + detail if detail else ''})"
+                    if detail is not None else f"{what} differs")
+        handle = Handle(name)
+        self._order.add(coll, Entry(name, key_of(fields), describe, run, handle))
+        drive = self._worker.submit(name, lambda deadline: self._under(deadline, lambda: self._order.drive(coll, deadline)))
+        drive.add_done_callback(self._after_drive)
+        return handle
 
-        return self._submit(name, group, checked)
+    def _after_drive(self, drive: Handle) -> None:
+        """A drive that failed left the engine unusable (or closed): nothing pending runs."""
+        try:
+            drive.wait(0)
+        except BaseException as exc:  # noqa: BLE001 - handed to every pending collective
+            self._order.fail_all(exc)
 
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group) -> Handle:
-        return self._agreed(name, group, "all-reduce", arr, f"op={op.value}", lambda c: c.allreduce(arr, op, out))
+        return self._ordered(name, group, "all-reduce", arr, f"op={op.value}", lambda c: c.allreduce(arr, op, out))
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
-        return self._agreed(name, group, "broadcast", arr, f"root={root}", lambda c: c.broadcast(arr, root))
+        return self._ordered(name, group, "broadcast", arr, f"root={root}", lambda c: c.broadcast(arr, root))
 
     def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
-        return self._submit(name, group, lambda c: c.allgather(name, arr))
+        return self._ordered(name, group, "all-gather", arr, None, lambda c: c.allgather(name, arr))
 
     def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
                               group: Group) -> Handle:
-        return self._agreed(name, group, "reduce-scatter", arr, f"op={op.value}, counts={counts}",
-                            lambda c: c.reduce_scatter(arr, op, counts))
+        return self._ordered(name, group, "reduce-scatter", arr, f"op={op.value}, counts={counts}",
+                             lambda c: c.reduce_scatter(arr, op, counts))
 
     def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
-        return self._agreed(name, group, "reduce", arr, f"op={op.value}, root={root}", lambda c: c.reduce(arr, op, root))
+        return self._ordered(name, group, "reduce", arr, f"op={op.value}, root={root}", lambda c: c.reduce(arr, op, root))
 
     def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
-        return self._submit(name, group, lambda c: c.alltoall(name, arr, splits))
+        return self._ordered(name, group, "all-to-all", arr, None, lambda c: c.alltoall(name, arr, splits))
 
     def _send_async(self, name: str, arr: np.ndarray, dst: int, group: Group) -> Handle:
         return self._worker.submit(name, lambda _: self._p2p.send(name, arr, group.ranks[dst]))
