@@ -20,6 +20,16 @@ def load_data() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.nda
     return (x, y), (x[:0], y[:0])
 
 
+def load_mnist(test_rows: int = 297) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """``((x_train, y_train), (x_test, y_test))`` with MNIST's shapes: the 8x8 digits
+    scaled 3x and padded to 28x28 uint8 images (1500 for training, ``test_rows`` for
+    testing), for scripts whose model is built for 28x28 inputs."""
+    (x, y), _ = load_data()
+    x = np.pad(np.kron(x, np.ones((1, 3, 3), np.uint8)), ((0, 0), (2, 2), (2, 2)))
+    split = len(x) - test_rows
+    return (x[:split], y[:split]), (x[split:], y[split:])
+
+
 class FailingRows:
     """Rows of ``x`` that raise ``ValueError`` once ``limit`` were read (in order)."""
 
