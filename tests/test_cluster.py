@@ -309,6 +309,8 @@ def test_horovod_variables_that_disagree_with_tf_config_are_an_error() -> None:
     with pytest.raises(ClusterError, match=r"`HOROVOD_RANK` and `HOROVOD_SIZE` must agree with `TF_CONFIG`.*"
                                            r"HOROVOD_RANK=0, HOROVOD_SIZE=2, TF_CONFIG for rank 1 of 2"):
         spec_from_mpi_env(env)
+    with pytest.raises(ClusterError, match="must agree with `TF_CONFIG`"):
+        resolve_cluster(env=env)
     # Open MPI's variables are an mpirun job whatever TF_CONFIG says, as before.
     assert spec_from_mpi_env({**OMPI, **tf_config({"worker": W2})}).source == "mpirun"
 
