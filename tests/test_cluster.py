@@ -285,6 +285,36 @@ def test_open_mpi_beats_horovod_variables() -> None:
     assert resolve_cluster(env=env).rank == 3
 
 
+def test_horovod_variables_that_agree_with_tf_config_leave_the_job_to_it() -> None:
+    # As `hostreduce run` starts a worker: TF_CONFIG plus the variables horovodrun sets.
+    from hostreduce.cluster.mpi_env import horovod_env, spec_from_mpi_env
+
+    cfg = tf_config({"worker": ["127.0.0.1:1", "127.0.0.1:2", "h2:3"]}, "worker", 1)
+    env = {**cfg, **horovod_env(resolve_cluster(env=cfg))}
+    assert {k: env[k] for k in sorted(env) if k.startswith("HOROVOD_")} == {
+        "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_RANK": "1", "HOROVOD_SIZE": "3"}
+    assert spec_from_mpi_env(env) is None  # not an mpirun job
+    spec = resolve_cluster(env=env)
+    assert (spec.rank, spec.size, spec.local_rank, spec.local_size, spec.source) == (1, 3, 1, 2, "TF_CONFIG")
+    assert spec.addresses == ("127.0.0.1:1", "127.0.0.1:2", "h2:3")
+    assert horovod_env(resolve_cluster(env=tf_config({"worker": W2}, "worker", 1)))["HOROVOD_CROSS_RANK"] == "1"
+    assert horovod_env(ClusterSpec())["HOROVOD_CROSS_SIZE"] == "1"
+
+
+def test_horovod_variables_that_disagree_with_tf_config_are_an_error() -> None:
+    from hostreduce.cluster.mpi_env import spec_from_mpi_env
+
+    env = {**tf_config({"worker": W2}, "worker", 1), "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
+    with pytest.raises(ClusterError, match=r"`HOROVOD_RANK` and `HOROVOD_SIZE` must agree with `TF_CONFIG`.*"
+                                           r"HOROVOD_RANK=0, HOROVOD_SIZE=2, TF_CONFIG for rank 1 of 2"):
+        spec_from_mpi_env(env)
+    with pytest.raises(ClusterError, match="must agree with `TF_CONFIG`"):
+        resolve_cluster(env=env)
+    # Open MPI's variables are an mpirun job whatever TF_CONFIG says, as before.
+    assert spec_from_mpi_env({**OMPI, **tf_config({"worker": W2})}).source == "mpirun"
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [

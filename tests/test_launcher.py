@@ -261,6 +261,36 @@ def test_python_api(capfd) -> None:
         run_workers(["true"], 1, timeout=-1)
 
 
+HOROVOD_INFO = (
+    "import json, os, sys; from hostreduce.cluster import resolve_cluster; "
+    "from hostreduce.cluster.mpi_env import spec_from_mpi_env; s = resolve_cluster(roles=True); "
+    "sys.stdout.write(json.dumps({'env': {k: v for k, v in os.environ.items() if k.startswith('HOROVOD_')}, "
+    "'spec': [s.rank, s.size, s.local_rank, s.local_size, s.source], "
+    "'mpirun': spec_from_mpi_env(os.environ) is not None}) + chr(10))"
+)
+
+
+@pytest.mark.timeout(60)
+def test_workers_get_the_variables_horovodrun_sets(capfd) -> None:
+    # Inherited ones are replaced (or, in a ps job, dropped) so they cannot contradict TF_CONFIG.
+    inherited = {"PYTHONPATH": str(ROOT), "HOROVOD_RANK": "7", "HOROVOD_SIZE": "9", "HOROVOD_CROSS_SIZE": "4"}
+    assert run_workers([sys.executable, "-c", HOROVOD_INFO], 2, env=inherited) == 0
+    infos = {}
+    for line in capfd.readouterr().out.splitlines():
+        tag, _, text = line.partition(" ")
+        infos[tag] = json.loads(text)
+    assert sorted(infos) == ["[0]", "[1]"]
+    for r in range(2):
+        info = infos[f"[{r}]"]
+        assert info["env"] == {"HOROVOD_RANK": str(r), "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": str(r),
+                               "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1"}
+        # A TF_CONFIG worker (the ring), not taken for an mpirun rank.
+        assert info["spec"] == [r, 2, r, 2, "TF_CONFIG"] and info["mpirun"] is False
+    assert run_workers([sys.executable, "-c", HOROVOD_INFO], 1, env=inherited, num_ps=1) == 0
+    for line in capfd.readouterr().out.splitlines():
+        assert json.loads(line.partition(" ")[2])["env"] == {}, line
+
+
 NOTICES = [  # as TensorFlow 2.21 prints them on a machine without a GPU
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
     "I0000 00:00:1795431387.602419   13492 cudart_stub.cc:31] Could not find cuda drivers on your machine, "

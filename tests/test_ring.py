@@ -260,6 +260,7 @@ def _different_names(size, transport, tmp_path):
         assert o["error"].startswith("UnmatchedCollectiveError: No collective is pending on every rank"), o
         assert o["is_timeout"]  # a CollectiveTimeoutError subclass
         assert all(f"rank {q} waits for ['n{q}']" in o["error"] for q in range(size)), o["error"]
+        assert "more independent collectives at once than it has inter-op threads" in o["error"], o["error"]
         assert o["after"] == size * (size + 1) / 2
     return outs
 

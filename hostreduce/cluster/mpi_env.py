@@ -8,6 +8,12 @@ Recognised launchers, checked in this order:
 * ``horovodrun`` (gloo): ``HOROVOD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``.
 
 When a launcher gives no local placement the rank is taken to be alone on its host.
+
+``hostreduce run`` sets the Horovod variables too (:func:`horovod_env`), beside each
+worker's ``TF_CONFIG``, so that scripts and tests that read them as ``horovodrun``'s
+see the same rank and size. Such a worker is a ``TF_CONFIG`` worker (its engine is the
+ring): Horovod variables that agree with a ``TF_CONFIG`` are left to it, and ones that
+disagree with it are an error.
 """
 from __future__ import annotations
 
@@ -16,8 +22,9 @@ from typing import Mapping, NamedTuple
 
 from ..errors import ClusterError
 from .spec import ClusterSpec
+from .tf_config import TF_CONFIG, parse_tf_config
 
-__all__ = ["Launcher", "LAUNCHERS", "detect_launcher", "spec_from_mpi_env"]
+__all__ = ["Launcher", "LAUNCHERS", "HOROVOD", "HOROVOD_VARIABLES", "detect_launcher", "spec_from_mpi_env", "horovod_env"]
 
 MPIRUN = "mpirun"
 _INT_RE = re.compile(r"\s*[+-]?\d+\s*")
@@ -44,6 +51,11 @@ LAUNCHERS = (
     Launcher("MPICH/Hydra", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     Launcher("Horovod", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
 )
+HOROVOD = LAUNCHERS[-1]
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_VARIABLES = (HOROVOD.rank, HOROVOD.size, HOROVOD.local_rank, HOROVOD.local_size,
+                     HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE)
 
 
 def detect_launcher(env: Mapping[str, str]) -> Launcher | None:
@@ -74,7 +86,14 @@ def _check_range(name: str, value: int, upper: int, upper_name: str) -> None:
 
 
 def spec_from_mpi_env(env: Mapping[str, str]) -> ClusterSpec | None:
-    """The spec described by a launcher's variables in ``env``, or None if there are none."""
+    """The spec described by a launcher's variables in ``env``, or None if there are none.
+
+    Also None when the only variables are Horovod's and ``env`` has a ``TF_CONFIG`` that
+    they agree with (a worker of ``hostreduce run``): ``TF_CONFIG`` describes that job.
+
+    Raises:
+        ClusterError: the variables are invalid, or Horovod's disagree with ``TF_CONFIG``.
+    """
     launcher = detect_launcher(env)
     if launcher is None:
         return None
@@ -94,6 +113,9 @@ def spec_from_mpi_env(env: Mapping[str, str]) -> ClusterSpec | None:
                 f"Received: {launcher.local_size}={local_size}"
             )
         _check_range(launcher.local_rank, local_rank, local_size, launcher.local_size)
+    if launcher is HOROVOD and env.get(TF_CONFIG, "").strip():
+        _check_agrees_with_tf_config(env[TF_CONFIG], rank, size)
+        return None
     return ClusterSpec(
         rank=rank,
         size=size,
@@ -104,3 +126,29 @@ def spec_from_mpi_env(env: Mapping[str, str]) -> ClusterSpec | None:
         task_index=rank,
         source=MPIRUN,
     )
+
+
+def _check_agrees_with_tf_config(raw: str, rank: int, size: int) -> None:
+    spec = parse_tf_config(raw, roles=True)
+    if (spec.rank, spec.size) != (rank, size):
+        raise ClusterError(
+            f"`{HOROVOD.rank}` and `{HOROVOD.size}` must agree with `{TF_CONFIG}` when both are set "
+            f"(unset one of them). Received: {HOROVOD.rank}={rank}, {HOROVOD.size}={size}, "
+            f"{TF_CONFIG} for rank {spec.rank} of {spec.size}"
+        )
+
+
+def horovod_env(spec: ClusterSpec) -> dict[str, str]:
+    """The variables ``horovodrun`` would set for the rank ``spec`` describes: its rank,
+    size, local rank and size, and its host's index among the job's hosts (cross rank)
+    and their number (cross size)."""
+    hosts = list(dict.fromkeys(spec.hosts)) or [""]
+    here = spec.hosts[spec.rank] if spec.addresses else ""
+    return {
+        HOROVOD.rank: str(spec.rank),
+        HOROVOD.size: str(spec.size),
+        HOROVOD.local_rank: str(spec.local_rank),
+        HOROVOD.local_size: str(spec.local_size),
+        HOROVOD_CROSS_RANK: str(hosts.index(here)),
+        HOROVOD_CROSS_SIZE: str(len(hosts)),
+    }

@@ -10,7 +10,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from ..errors import ClusterError
-from .mpi_env import spec_from_mpi_env
+from .mpi_env import HOROVOD, detect_launcher, spec_from_mpi_env
 from .spec import ClusterSpec
 from .tf_config import TF_CONFIG, check_addresses, cluster_from_resolver, local_placement, parse_tf_config
 
@@ -99,16 +99,21 @@ def resolve_cluster(
     When any of ``rank``, ``size`` or ``addresses`` is given, only the arguments are
     used. Otherwise a non-empty ``TF_CONFIG`` is used, then the variables of an Open MPI,
     MPICH/Hydra or Horovod launcher, and finally a single-process spec (rank 0 of 1).
+    Horovod's variables beside ``TF_CONFIG`` (``hostreduce run`` sets both) must agree with it.
 
     Raises:
-        ClusterError: the arguments, ``TF_CONFIG`` or launcher variables are invalid.
+        ClusterError: the arguments, ``TF_CONFIG`` or launcher variables are invalid, or
+            Horovod's variables disagree with ``TF_CONFIG``.
     """
     if rank is not None or size is not None or addresses is not None:
         return _from_arguments(rank, size, addresses)
     env = os.environ if env is None else env
     raw = env.get(TF_CONFIG)
     if raw is not None and raw.strip():
-        return parse_tf_config(raw, roles=roles)
+        spec = parse_tf_config(raw, roles=roles)
+        if detect_launcher(env) is HOROVOD:
+            spec_from_mpi_env(env)  # raises unless they agree with TF_CONFIG
+        return spec
     spec = spec_from_mpi_env(env)
     if spec is not None:
         return spec

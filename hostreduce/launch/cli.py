@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Start N local workers running COMMAND. Each gets TF_CONFIG for a cluster of "
             "loopback addresses and a shared HOSTREDUCE_SECRET (a fresh random one unless "
-            "HOSTREDUCE_SECRET is already set). Output lines are prefixed with '[rank] '. "
+            "HOSTREDUCE_SECRET is already set); without --ps or --evaluator, also the "
+            "HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, "
+            "HOROVOD_CROSS_RANK and HOROVOD_CROSS_SIZE that horovodrun would set. "
+            "Output lines are prefixed with '[rank] '. "
             "When a worker fails, all others are stopped and its exit code is returned."
         ),
         usage="hostreduce run -np N [options] [--] COMMAND [ARGS ...]",

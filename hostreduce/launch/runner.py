@@ -1,7 +1,10 @@
 """Start N local workers of one job, relay their output, and stop them all together.
 
 Each worker gets a ``TF_CONFIG`` describing a cluster of loopback addresses (written by
-``hostreduce.cluster``) and a shared ``HOSTREDUCE_SECRET``. Every worker runs in its own session, so stopping a
+``hostreduce.cluster``) and a shared ``HOSTREDUCE_SECRET``; the workers of a job without
+``ps`` or evaluator tasks also get the variables ``horovodrun`` sets (``HOROVOD_RANK``,
+``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``/``SIZE``, ``HOROVOD_CROSS_RANK``/``SIZE``), which
+agree with their ``TF_CONFIG``. Every worker runs in its own session, so stopping a
 worker stops everything it started. The first worker that fails stops the job.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 from typing import BinaryIO, Callable, Mapping, Sequence
 
 from ..cluster import TF_CONFIG, format_tf_config
+from ..cluster.mpi_env import HOROVOD_VARIABLES, horovod_env
+from ..cluster.tf_config import parse_tf_config
 from ..errors import ConfigError
 from ..processes import exit_code, free_ports, job_tasks, tf_config
 from ._output import error_summary, is_startup_notice
@@ -41,13 +46,23 @@ _CHUNK = 64 * 1024
 def worker_env(
     base: Mapping[str, str], addresses: Sequence[str], index: int, secret: str
 ) -> dict[str, str]:
-    """The environment of worker ``index``: ``base`` plus its ``TF_CONFIG`` and the secret.
+    """The environment of worker ``index`` of a cluster of ``addresses``: ``base`` plus
+    its ``TF_CONFIG``, the secret and the Horovod variables that agree with them.
 
     A ``HOSTREDUCE_SECRET`` already present in ``base`` is kept.
     """
-    env = dict(base)
-    env[TF_CONFIG] = format_tf_config(addresses, index)
-    env.setdefault(_SECRET_VAR, secret)
+    return _task_env(base, format_tf_config(addresses, index), base.get(_SECRET_VAR) or secret, horovod=True)
+
+
+def _task_env(base: Mapping[str, str], tf_config_json: str, secret: str, horovod: bool) -> dict[str, str]:
+    """``base`` with a task's ``TF_CONFIG`` and the secret; with ``horovod``, the
+    variables ``horovodrun`` would set for it, else none (inherited ones are dropped, so
+    that they cannot contradict the ``TF_CONFIG``)."""
+    env = {k: v for k, v in base.items() if k not in HOROVOD_VARIABLES}
+    env[TF_CONFIG] = tf_config_json
+    env[_SECRET_VAR] = secret
+    if horovod:
+        env.update(horovod_env(parse_tf_config(tf_config_json)))
     return env
 
 
@@ -289,7 +304,7 @@ def run_workers(
             try:
                 proc = subprocess.Popen(
                     list(command),
-                    env={**base, TF_CONFIG: tf_config_json, _SECRET_VAR: secret},
+                    env=_task_env(base, tf_config_json, secret, horovod=not num_ps and not evaluator),
                     stdin=subprocess.DEVNULL,
                     stdout=pipe,
                     stderr=pipe,

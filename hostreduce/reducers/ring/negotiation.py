@@ -214,7 +214,9 @@ class Coordinator:
             self._send([{
                 "kind": "error", "etype": "unmatched", "names": names, "ranks": list(range(self.size)),
                 "error": (f"No collective is pending on every rank, and every rank is waiting: {waits} "
-                          "(every rank must submit the same collectives)"),
+                          "(every rank must submit the same collectives; a rank whose threads all block in "
+                          "waits cannot submit the rest, as in a TF1 graph that runs more independent "
+                          "collectives at once than it has inter-op threads)"),
             }])
 
     def mark_departed(self, rank: int) -> None:
