@@ -49,12 +49,7 @@ def _check(worker: Worker) -> None:
 LAUNCHERS = ["ring", pytest.param("mpi", marks=needs_mpi)]
 
 
-@pytest.mark.parametrize("launcher", [
-    "ring",
-    pytest.param("mpi", marks=[*needs_mpi, pytest.mark.xfail(
-        strict=True, reason="the MPI engine matches collectives by position, and a TF1 graph runs the "
-                            "broadcast hook's independent hand-offs in any order (TensorMismatchError)")]),
-])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_tf1_monitored_session_example(launcher: str, tmp_path: Path) -> None:
     worker = _run(launcher, "tensorflow_mnist.py", ["--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt")])
     _check(worker)

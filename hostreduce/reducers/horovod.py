@@ -178,11 +178,11 @@ class HorovodReducer(Reducer):
                                   "process sets: create the reducer before anything else calls hvd.init(), or set "
                                   "HOROVOD_DYNAMIC_PROCESS_SETS=1 before it does") from exc
 
-        return dataclasses.replace(group, handle=self._worker.submit(f"create_group {group}", add).wait())
+        return dataclasses.replace(group, handle=self._submit(f"create_group {group}", add).wait())
 
     def _destroy_group(self, group: Group) -> None:
         """``hvd.remove_process_set``: like creation, every rank of the job calls it."""
-        self._worker.submit(f"destroy_group {group}", lambda _: self._hvd.remove_process_set(group.handle)).wait()
+        self._submit(f"destroy_group {group}", lambda _: self._hvd.remove_process_set(group.handle)).wait()
 
     def _set(self, group: Group) -> Any:
         return self._hvd.global_process_set if group is self.world else group.handle
@@ -190,21 +190,21 @@ class HorovodReducer(Reducer):
     # ------------------------------------------------------------------ collectives
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group) -> Handle:
-        return self._worker.submit(name, lambda _: self._run_allreduce(name, arr, op, out, group))
+        return self._submit(name, lambda _: self._run_allreduce(name, arr, op, out, group))
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
         # Horovod counts the root among all ranks, also in a process set.
-        return self._worker.submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.broadcast(
+        return self._submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.broadcast(
             t, root_rank=group.ranks[root], name=_op_name("bc", name), process_set=self._set(group))
         ).reshape(arr.shape))
 
     def _allgather_async(self, name: str, arr: np.ndarray, group: Group) -> Handle:
-        return self._worker.submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.allgather(
+        return self._submit(name, lambda _: self._bits_op(arr, lambda t: self._hvd.allgather(
             t, name=_op_name("ag", name), process_set=self._set(group))))
 
     def _reduce_scatter_async(self, name: str, arr: np.ndarray, op: ReduceOp, counts: list[int],
                               group: Group) -> Handle:
-        return self._worker.submit(name, lambda _: self._run_reduce_scatter(name, arr, op, counts, group))
+        return self._submit(name, lambda _: self._run_reduce_scatter(name, arr, op, counts, group))
 
     def _reduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, root: int, group: Group) -> Handle:
         """Horovod has no reduce: an all-reduce whose result only the root keeps."""
@@ -212,7 +212,7 @@ class HorovodReducer(Reducer):
             result = self._run_allreduce(name, arr, op, None, group)
             return result if group.rank == root else None
 
-        return self._worker.submit(name, run)
+        return self._submit(name, run)
 
     def _alltoall_async(self, name: str, arr: np.ndarray, splits: list[int], group: Group) -> Handle:
         def run(_: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -227,15 +227,28 @@ class HorovodReducer(Reducer):
             result = self._bits_op(arr, fn)
             return result, np.asarray(got[0], np.int32)
 
-        return self._worker.submit(name, run)
+        return self._submit(name, run)
 
     def _send_async(self, name: str, arr: np.ndarray, dst: int, group: Group) -> Handle:
         p2p = self._point_to_point()
-        return self._worker.submit(name, lambda _: p2p.send(name, arr, group.ranks[dst]))
+        return self._submit(name, lambda _: p2p.send(name, arr, group.ranks[dst]))
 
     def _recv_async(self, name: str, shape: tuple[int, ...], dtype: np.dtype, src: int, group: Group) -> Handle:
         p2p = self._point_to_point()
-        return self._worker.submit(name, lambda _: p2p.recv(name, shape, dtype, group.ranks[src]))
+        return self._submit(name, lambda _: p2p.recv(name, shape, dtype, group.ranks[src]))
+
+    def _submit(self, name: str, task: Callable[[Any], Any], timeout: float | None = None) -> Handle:
+        """Queue ``task`` for the engine's thread, where Horovod's ops run eagerly, also in
+        a process that disabled eager execution (TF1 scripts: ``disable_v2_behavior()``)."""
+        return self._worker.submit(name, lambda deadline: self._eagerly(lambda: task(deadline)), timeout)
+
+    def _eagerly(self, run: Callable[[], Any]) -> Any:
+        if self._tf.executing_eagerly():
+            return run()
+        from tensorflow.python.eager import context  # TensorFlow's own switch; no public one per thread
+
+        with context.eager_mode():
+            return run()
 
     def _point_to_point(self) -> PointToPoint:
         if self._p2p is None:
@@ -248,7 +261,7 @@ class HorovodReducer(Reducer):
             self._barriers += 1
             name = f"hostreduce.barrier.{self._barriers}"
         token = np.ones(1, np.int32)
-        self._worker.submit(name, lambda _: self._run_allreduce(name, token, ReduceOp.SUM, None, group),
+        self._submit(name, lambda _: self._run_allreduce(name, token, ReduceOp.SUM, None, group),
                             timeout).wait()
 
     # ------------------------------------------------------------------ implementations
