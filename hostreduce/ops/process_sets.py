@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from ..errors import ConfigError, HostReduceError
+from ..errors import ConfigError
 from . import job as _engine
 
 __all__ = ["init", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "group_of", "find",
@@ -131,11 +131,11 @@ def group_of(process_set: Any) -> Any:
         raise ConfigError(f"`process_set` must be hvd.global_process_set or a ProcessSet. "
                           f"Received: process_set={process_set!r}")
     if process_set.process_set_id is None or process_set._group is None:
-        raise HostReduceError(f"{process_set!r} is not registered: pass it to hvd.init(process_sets=...) or "
-                              "hvd.add_process_set() first")
+        raise ConfigError(f"`process_set` is not registered: pass it to hvd.init(process_sets=...) or "
+                          f"hvd.add_process_set() first. Received: process_set={process_set!r}")
     if not process_set.included():
-        raise HostReduceError(f"Rank {_engine.rank()} is not a member of {process_set!r}: only its members run "
-                              "its collectives")
+        raise ConfigError(f"`process_set` must include this rank ({_engine.rank()}): only its members run its "
+                          f"collectives. Received: process_set={process_set!r}")
     return process_set._group
 
 

@@ -104,6 +104,15 @@ def reduce_gradients(gradients: Sequence[Any], labels: Sequence[str], *, op: Red
                           compression=compression, prescale_factor=pre, postscale_factor=post)
 
 
+def _check_sparse_op(tensor: Any, op: Any) -> None:
+    """Horovod reduces a ``tf.IndexedSlices`` by Sum or Average only (also Adasum is
+    refused for it as not implemented, before the op itself is checked)."""
+    import tensorflow as tf
+
+    if isinstance(tensor, tf.IndexedSlices) and op is not None and op is not Average and op is not Sum:
+        raise UnsupportedCallError(f"Only Sum and Average are supported with tf.IndexedSlices. Received: op={op!r}")
+
+
 @tf_errors
 def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_sparse: str = "",
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
@@ -131,6 +140,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
     """
     _engine.job()
     check_compression(compression)
+    _check_sparse_op(tensor, op)
     rop = resolve_op(op, average)
     full_name = _engine.collective_name(kind_of("allreduce", process_set), name)
 
@@ -163,6 +173,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     check_compression(compression)
     if not tensors:
         return list(tensors)
+    for tensor in tensors:
+        _check_sparse_op(tensor, op)
     rop = resolve_op(op, average)
     base = _engine.collective_name(kind_of("grouped_allreduce", process_set), name)
     if on_set(process_set):
