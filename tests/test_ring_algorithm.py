@@ -80,7 +80,10 @@ def tolerance(dtype: np.dtype) -> float:
     return {"float16": 5e-3, "bfloat16": 3e-2, "float32": 1e-6, "float64": 1e-12}.get(dtype.name, 0.0)
 
 
-DTYPES = st.sampled_from(SUPPORTED_DTYPES)
+# The wide dtypes, whose sums the reference computes without wrapping around; the 8- and
+# 16-bit integers (which wrap, as in Horovod) and bool: tests/test_horovod_exact.py.
+DTYPES = st.sampled_from([d for d in SUPPORTED_DTYPES if d.name in ("float16", "float32", "float64", "int32", "int64",
+                                                                    "bfloat16")])
 OPS = st.sampled_from(list(ReduceOp))
 
 
