@@ -1,6 +1,7 @@
 """Horovod's TensorFlow API as Horovod's own test files use it (tests/hvd_workers/
 horovod_exact.py): the narrow integer dtypes and bool, integer scaling, gradients of the
-collectives, TensorFlow's error types for mismatches with the engine usable afterwards,
+collectives, TensorFlow's error types for mismatches (eagerly, in TF1 graphs and in
+``tf.function``) with the engine usable afterwards,
 object collectives, layout ops, and TF1 global-variable broadcasts, in eager,
 ``tf.function`` and TF1 graph mode, on the ring and under mpirun (the MPI engine)."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.script_jobs import base_env, run_mpirun
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-CHECKS = 3 * (9 + 3 + 3 + 1) + 5 + 6
+CHECKS = 3 * (9 + 3 + 3 + 1) + 5 + 8 + 6
 
 
 def test_horovod_exact_on_the_ring() -> None:

@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..streaming.host_collective import host_collective
 from . import job as _engine
 from .gradients import differentiable
-from .tf_errors import tf_errors
+from .tf_errors import checked, tf_errors
 from .compression import Compression
 from .arguments import check_compression, kind_of, resolve_op, scale
 from .process_sets import global_process_set, group_of
@@ -27,7 +27,8 @@ __all__ = ["on_host", "reducescatter", "grouped_reducescatter", "alltoall", "gro
 def on_host(label: str, run: Any, inputs: list[Any], dtypes: list[Any], shapes: list[Any]) -> list[Any]:
     """``run(reducer, arrays) -> arrays`` as one host op on the job's engine (every
     face's collectives that are not gradient reductions go through here)."""
-    return host_collective(_engine.channel(), label, run, inputs, dtypes, shapes)
+    outs, status = host_collective(_engine.channel(), label, run, inputs, dtypes, shapes, statuses=True)
+    return checked(outs, status, label)
 
 
 def _size_of(group: Any) -> int:

@@ -14,7 +14,6 @@ import atexit
 import itertools
 import logging
 import os
-import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -146,34 +145,13 @@ def init(comm: Any = None) -> None:
     with _lock:
         if _job is None:
             _job = Job(spec_from_mpi_env(os.environ) or resolve_cluster())
-            _room_for_waiting_ops()
+            from .sessions import make_room
+
+            make_room()
             if _job.timeline.enabled and not _flush_registered:
                 _flush_registered = True
                 atexit.register(_flush_at_exit)
 
-
-
-# Inter-op threads for TF1 sessions (see _room_for_waiting_ops).
-INTER_OP_THREADS = 32
-
-
-def _room_for_waiting_ops() -> None:
-    """A host collective's op waits on one of TensorFlow's inter-op threads until every
-    rank has submitted it (TensorFlow has no asynchronous Python op). A TF1 session runs
-    the independent ops of one run in any order, so with fewer threads than collectives
-    that may wait at once (the default pool has one thread per core) every thread of a
-    rank can end up waiting for a collective that the other ranks have not reached. Give
-    the pool room, unless the script sized it (``TF_NUM_INTEROP_THREADS``,
-    ``tf.config.threading``) or TensorFlow has started already (then the script's pool
-    stays; ``ConfigProto(inter_op_parallelism_threads=...)`` sizes a session's)."""
-    tf = sys.modules.get("tensorflow")
-    if tf is None or os.environ.get("TF_NUM_INTEROP_THREADS"):
-        return
-    try:
-        if tf.config.threading.get_inter_op_parallelism_threads() == 0:
-            tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
-    except (RuntimeError, AttributeError, ValueError):  # TensorFlow has started: its pool stays
-        logger.debug("hostreduce.horovod: TensorFlow's inter-op pool was sized already; left as it is")
 
 
 def _flush_at_exit() -> None:

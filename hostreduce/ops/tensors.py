@@ -14,7 +14,7 @@ from ..errors import ConfigError, UnsupportedCallError
 from ..streaming import Collective, exchange
 from . import job as _engine
 from .gradients import differentiable, differentiable_group
-from .tf_errors import tf_errors
+from .tf_errors import checked, tf_errors
 from .arguments import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, check_compression, kind_of, on_set, resolve_op,
                         scale, tf_tensor)
 from .collectives import group_allgather, group_allreduce, group_broadcast
@@ -28,7 +28,7 @@ __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "Pro
 
 def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *, labels: Sequence[str] | None = None,
                    compression: Any = Compression.none, prescale_factor: Any = 1.0, postscale_factor: Any = 1.0,
-                   chained: bool = False) -> list[Any]:
+                   chained: bool = False, typed: bool = False) -> list[Any]:
     """All-reduce ``tensors`` (dense or ``tf.IndexedSlices``; None passes through) as one
     group: each is handed to the engine as soon as it exists. What the tape and
     ``grouped_allreduce`` share."""
@@ -64,7 +64,12 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
             flat.append(wire)
             collectives.append(Collective("allreduce", name, op.engine_op, label=label,  # type: ignore[arg-type]
                                           compression=on_host))
-    results = exchange(channel, flat, collectives, chained=chained)
+    if typed:  # a face's collective: a disagreement in a graph is tf.errors.FailedPreconditionError
+        results, statuses = exchange(channel, flat, collectives, chained=chained, statuses=True)
+        if statuses is not None:
+            results = [checked([r], st, c.display)[0] for r, st, c in zip(results, statuses, collectives)]
+    else:
+        results = exchange(channel, flat, collectives, chained=chained)
     out: list[Any] = []
     for kind, info in plan:
         if kind == "none":
@@ -102,6 +107,16 @@ def reduce_gradients(gradients: Sequence[Any], labels: Sequence[str], *, op: Red
     base = _engine.collective_name("gradients", None)
     return reduce_tensors(grads, op, [f"{base}/{i}" for i in range(len(grads))], labels=labels,
                           compression=compression, prescale_factor=pre, postscale_factor=post)
+
+
+def _typed_exchange(channel: Any, tensors: list[Any], collectives: list[Collective], chained: bool = True
+                    ) -> list[Any]:
+    """:func:`exchange` for a face's collectives: in a graph, ranks that disagree raise
+    ``tf.errors.FailedPreconditionError`` (``tf_errors.checked``)."""
+    results, statuses = exchange(channel, tensors, collectives, chained=chained, statuses=True)
+    if statuses is None:
+        return results
+    return [checked([r], st, c.display)[0] for r, st, c in zip(results, statuses, collectives)]
 
 
 def _check_sparse_op(tensor: Any, op: Any) -> None:
@@ -150,7 +165,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
             return scale(compression.decompress(group_allreduce(wire, rop, full_name, process_set), ctx),
                          postscale_factor, "postscale_factor")
         return reduce_tensors([x], rop, [full_name], compression=compression, prescale_factor=prescale_factor,
-                              postscale_factor=postscale_factor, chained=True)[0]
+                              postscale_factor=postscale_factor, chained=True, typed=True)[0]
 
     def backward(x: Any, upstream: Any) -> Any:
         return allreduce(upstream, op=rop, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -184,7 +199,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
 
     def forward(xs: list[Any]) -> list[Any]:
         return reduce_tensors(xs, rop, [f"{base}/{i}" for i in range(len(xs))], compression=compression,
-                              prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                              prescale_factor=prescale_factor, postscale_factor=postscale_factor, typed=True)
 
     def backward(upstreams: list[Any]) -> list[Any]:
         return grouped_allreduce(upstreams, op=rop, prescale_factor=prescale_factor,
@@ -207,7 +222,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     def forward(x: Any) -> Any:
         if on_set(process_set):
             return group_allgather(x, full_name, process_set)
-        return exchange(channel, [x], [Collective("allgather", full_name)], chained=True)[0]
+        return _typed_exchange(channel, [x], [Collective("allgather", full_name)])[0]
 
     members = process_set.ranks if on_set(process_set) else list(range(_engine.size()))
     mine = members.index(_engine.rank())
@@ -247,7 +262,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     def forward(x: Any) -> Any:
         if subset:
             return group_broadcast(x, root, full_name, process_set)
-        return exchange(channel, [x], [Collective("broadcast", full_name, root=root)], chained=True)[0]
+        return _typed_exchange(channel, [x], [Collective("broadcast", full_name, root=root)])[0]
 
     is_root = _engine.rank() == root_rank
 
@@ -285,7 +300,7 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
         return None if tf.executing_eagerly() else tf.group(*[a for a in assigns if a is not None])
     collectives = [Collective("broadcast", f"{base}/{i}", root=root, label=_label(v, i))
                    for i, v in enumerate(variables)]
-    values = exchange(channel, [tf.convert_to_tensor(v) for v in variables], collectives)
+    values = _typed_exchange(channel, [tf.convert_to_tensor(v) for v in variables], collectives, chained=False)
     assigns = [v.assign(value) for v, value in zip(variables, values)]
     if tf.executing_eagerly():
         return None

@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 from ..errors import (CollectiveTimeoutError, ConfigError, HostReduceError, PeerLostError, ReducerClosedError,
                       TensorMismatchError, UnmatchedCollectiveError, with_framework_type)
 
-__all__ = ["as_tf_error", "tf_errors"]
+__all__ = ["as_tf_error", "tf_errors", "checked"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,3 +62,38 @@ def tf_errors(fn: F) -> F:
             raise converted.with_traceback(exc.__traceback__) from exc.__cause__
 
     return wrapper  # type: ignore[return-value]
+
+
+def checked(values: list[Any], status: Any, label: str) -> list[Any]:
+    """``values``, or ``tf.errors.FailedPreconditionError`` from the graph when the host
+    op that made them reported that the ranks disagree on the collective (``status`` 1;
+    ``hostreduce.streaming.disagreement``; None eagerly, where the error is raised as is).
+
+    TensorFlow has no op that raises an error of a chosen type with a message made at
+    run time; reading a variable that does not exist raises ``FailedPreconditionError``,
+    so the failing branch reads one whose name is this message (the full error, with
+    every rank's values, is in this rank's log)."""
+    if status is None:
+        return values
+    import tensorflow as tf
+
+    message = (f"collective {label!r}: the ranks disagree on it (their shapes, dtypes, ops or roots differ, or "
+               "they ran other collectives at this point): TensorMismatchError or UnmatchedCollectiveError; this "
+               "rank's log has each rank's values. (hostreduce raises it as FailedPreconditionError, as Horovod "
+               "does)")
+
+    def fine() -> list[Any]:
+        return [tf.identity(v) for v in values]
+
+    def failed() -> list[Any]:
+        out = []
+        for v in values:
+            handle = tf.raw_ops.VarHandleOp(dtype=v.dtype, shape=[], container="hostreduce", shared_name=message)
+            out.append(tf.raw_ops.ReadVariableOp(resource=handle, dtype=v.dtype, name="ranks_disagree"))
+        return out
+
+    results = tf.cond(tf.equal(status, 0), fine, failed)
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    for result, value in zip(results, values):
+        result.set_shape(value.shape)
+    return results

@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..reducers.base import SUPPORTED_DTYPES
 from ..timeline import Timeline
+from .disagreement import with_status
 from .slots import Channel, Collective, Slot, fuse
 
 __all__ = ["HostCallExchange", "exchange", "handoff_ops"]
@@ -100,7 +101,7 @@ def _check_dtype(tensor: Any, collective: Collective) -> None:
 
 
 def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Collective], *,
-             chained: bool = False) -> list[Any]:
+             chained: bool = False, statuses: bool = False) -> Any:
     """Run one collective per tensor through the host reducer; return the results.
 
     This is the one entry point for code that has tensors (the Horovod API, optimizer
@@ -115,6 +116,9 @@ def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Col
         chained: submit in the order of ``tensors`` reversed, after whatever stateful op
             the graph created before (one collective at a time, or a group that must
             not overlap others); otherwise only ordered engines are chained.
+        statuses: in a graph, each wait op also returns a status (``disagreement.py``):
+            a disagreement between ranks is status 1 instead of an exception; the
+            result is then ``(results, statuses)`` (statuses None eagerly).
 
     Returns:
         One tensor per input: the reduced (or broadcast, or gathered) value, with the
@@ -131,21 +135,30 @@ def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Col
     slots = [Slot(c, channel, index=i, **_static_spec(t, c)) for i, (t, c) in enumerate(zip(tensors, collectives))]
     fuse(slots, channel)
     if not tensors:
-        return []
+        return ([], []) if statuses else []
     if tf.executing_eagerly():
         for i in range(len(slots) - 1, -1, -1):
             slots[i].hand_off(tensors[i].numpy())
-        return [tf.convert_to_tensor(slot.wait()) for slot in slots]
+        done = [tf.convert_to_tensor(slot.wait()) for slot in slots]
+        return (done, None) if statuses else done
 
     tokens = handoff_ops(slots, tensors, stateful=chained or channel.ordered)
     results: list[Any] = [None] * len(slots)
+    status: list[Any] = [None] * len(slots)
     with tf.control_dependencies(tokens):
         for i in range(len(slots) - 1, -1, -1):
             tensor, slot = tensors[i], slots[i]
             # Stateful: the wait runs even if its result is unused, so no collective is
             # left in flight on a buffer that the next step reuses.
-            out = tf.numpy_function(_wait_callback(slot), [tokens[i]], tensor.dtype, stateful=True,
-                                    name=f"hostreduce_wait_{i}")
+            if statuses:
+                one = _wait_callback(slot)
+                wait = with_status(lambda *token, one=one: [one(*token)], [tensor.dtype.as_numpy_dtype],
+                                   slot.collective.display)
+                out, status[i] = tf.numpy_function(_plain(wait), [tokens[i]], [tensor.dtype, tf.int32],
+                                                   stateful=True, name=f"hostreduce_wait_{i}")
+            else:
+                out = tf.numpy_function(_wait_callback(slot), [tokens[i]], tensor.dtype, stateful=True,
+                                        name=f"hostreduce_wait_{i}")
             if slot.collective.kind == "allgather":
                 rank = tensor.shape.rank
                 if rank is not None:
@@ -153,7 +166,7 @@ def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Col
             else:
                 out.set_shape(tensor.shape)
             results[i] = out
-    return results
+    return (results, status) if statuses else results
 
 
 def _static_spec(tensor: Any, collective: Collective) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..timeline import now_us
+from .disagreement import with_status
 from .slots import Channel
 
 __all__ = ["host_collective"]
@@ -24,11 +25,13 @@ Run = Callable[[Any, list[np.ndarray]], Sequence[np.ndarray]]
 
 
 def host_collective(channel: Channel, label: str, run: Run, inputs: Sequence[Any], out_dtypes: Sequence[Any],
-                    out_shapes: Sequence[Any]) -> list[Any]:
+                    out_shapes: Sequence[Any], statuses: bool = False) -> Any:
     """One host op running ``run(reducer, host_arrays) -> outputs``.
 
     ``out_dtypes``/``out_shapes`` describe the outputs (a shape may have ``None``
-    dimensions). Returns the output tensors.
+    dimensions). Returns the output tensors; with ``statuses``, ``(outputs, status)``:
+    in a graph a disagreement between ranks is status 1 instead of an exception
+    (``disagreement.py``; status None eagerly).
     """
     import tensorflow as tf
 
@@ -40,16 +43,22 @@ def host_collective(channel: Channel, label: str, run: Run, inputs: Sequence[Any
             timeline.span(label, start, now_us(), "reduce", timeline.reduce_row(label), {})
         return [o.astype(tf.as_dtype(d).as_numpy_dtype, copy=False) for o, d in zip(outs, out_dtypes)]
 
-    op = tf.autograph.experimental.do_not_convert(op)
     dtypes = [tf.as_dtype(d) for d in out_dtypes]
-    outs = tf.numpy_function(op, list(inputs), dtypes, stateful=True, name="hostreduce_collective")
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
+    status = None
+    if statuses and not tf.executing_eagerly():
+        op = tf.autograph.experimental.do_not_convert(with_status(op, [d.as_numpy_dtype for d in dtypes], label))
+        *outs, status = tf.numpy_function(op, list(inputs), dtypes + [tf.int32], stateful=True,
+                                          name="hostreduce_collective")
+    else:
+        op = tf.autograph.experimental.do_not_convert(op)
+        outs = tf.numpy_function(op, list(inputs), dtypes, stateful=True, name="hostreduce_collective")
+        if not isinstance(outs, (list, tuple)):
+            outs = [outs]
     result = []
     for out, shape in zip(outs, out_shapes):
         out.set_shape(shape)
         result.append(out)
-    return result
+    return (result, status) if statuses else result
 
 
 def wait_result(handle: Any, channel: Channel) -> Any:

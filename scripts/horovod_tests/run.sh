@@ -17,7 +17,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 SRC="$(cd "$1" && pwd)"; FILE="$2"; ENGINE="$3"; shift 3
-PYTHON="$(cd "$ROOT" && realpath "${PYTHON:-.venv/bin/python}")"
+PYTHON="${PYTHON:-.venv/bin/python}"
+[[ "$PYTHON" = /* ]] || PYTHON="$ROOT/$PYTHON"   # absolute, keeping the venv's symlink
 LOGDIR="$(mkdir -p "${LOGDIR:-$ROOT/build/horovod_tests}" && cd "${LOGDIR:-$ROOT/build/horovod_tests}" && pwd)"
 export PYTHONPATH="$HERE:$ROOT" TF_CPP_MIN_LOG_LEVEL=2 HOSTREDUCE_TIMEOUT_S="${HOSTREDUCE_TIMEOUT_S:-15}"
 unset TF_CONFIG HOSTREDUCE_REDUCER

@@ -94,6 +94,32 @@ def check_mode(mode: str, rank: int, size: int) -> int:
     return checks + 1
 
 
+def check_graph_errors(rank: int, size: int) -> int:
+    """In a TF1 graph and in tf.function: ranks that disagree get
+    tf.errors.FailedPreconditionError too, and the engine goes on."""
+    import tensorflow as tf
+
+    import hostreduce.horovod as hvd
+
+    cases = [
+        lambda: hvd.allreduce(tf.ones([5 + rank, 2])),
+        lambda: hvd.broadcast(tf.ones([3], dtype=tf.int32 if rank % 2 == 0 else tf.float32), root_rank=0),
+        lambda: hvd.allgather(tf.ones([2, 3 + rank])),
+        lambda: hvd.reducescatter(tf.ones([4, 2 + rank])),
+    ]
+    for mode in ("graph", "function"):
+        for i, case in enumerate(cases):
+            try:
+                _run(mode, case)
+            except tf.errors.FailedPreconditionError:
+                pass
+            else:
+                raise AssertionError(f"{mode} case {i}: no FailedPreconditionError")
+            got = _run(mode, lambda: hvd.allreduce(tf.constant([1.0]), op=hvd.Sum))
+            assert got.tolist() == [float(size)], (mode, i, got)
+    return 2 * len(cases)
+
+
 def check_errors(rank: int, size: int) -> int:
     """Eagerly: ranks that disagree get TensorFlow's error type (and hostreduce's) on
     every rank, and the next collective works."""
@@ -165,7 +191,7 @@ def rank_main(rank: int, size: int) -> int:
 
     hvd.init()
     checks = sum(check_mode(mode, rank, size) for mode in ("eager", "function", "graph"))
-    checks += check_errors(rank, size) + check_objects_and_graph(rank, size)
+    checks += check_errors(rank, size) + check_graph_errors(rank, size) + check_objects_and_graph(rank, size)
     hvd.shutdown()
     return checks
 
