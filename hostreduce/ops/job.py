@@ -22,6 +22,7 @@ from ..cluster import ClusterSpec, resolve_cluster
 from ..cluster.mpi_env import spec_from_mpi_env
 from ..errors import HostReduceError, NotInitializedError
 from ..reducers.job_end import add_clean_exit_hook
+from .sessions import make_room
 
 logger = logging.getLogger("hostreduce.horovod")
 
@@ -145,8 +146,6 @@ def init(comm: Any = None) -> None:
     with _lock:
         if _job is None:
             _job = Job(spec_from_mpi_env(os.environ) or resolve_cluster())
-            from .sessions import make_room
-
             make_room()
             if _job.timeline.enabled and not _flush_registered:
                 _flush_registered = True
@@ -288,3 +287,9 @@ def _graph_name(graph: Any) -> str:
     if number is None:
         number = _graph_numbers[graph] = next(_graph_counter)
     return f"graph{number}"
+
+
+# Host collectives wait on TensorFlow's inter-op threads: give the pool room as soon as
+# this is imported after TensorFlow (TF1 sessions share one pool, sized by the first
+# session made, which may come before ``hvd.init()``), and again at ``init()``.
+make_room()

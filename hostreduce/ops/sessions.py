@@ -5,8 +5,9 @@ has submitted it (TensorFlow has no asynchronous Python op; Horovod's C++ ops ar
 asynchronous kernels and need no thread). A TF1 session starts the independent ops of
 one run in any order, so with fewer threads than collectives that may wait at once (the
 default pool has one thread per core) every thread of a rank can end up waiting for a
-collective that the other ranks have not reached. :func:`make_room` (run by
-``hvd.init()``) gives the pool :data:`INTER_OP_THREADS` threads: through
+collective that the other ranks have not reached. :func:`make_room` (run when the job
+module is imported after TensorFlow, and by ``hvd.init()``) gives the pool
+:data:`INTER_OP_THREADS` threads: through
 ``tf.config.threading`` when TensorFlow has not started yet, otherwise as the default of
 every TF1 session made afterwards whose config does not size the pool itself. A script
 that sized the pool (``TF_NUM_INTEROP_THREADS``, ``tf.config.threading``, a session's
