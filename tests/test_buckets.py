@@ -327,7 +327,8 @@ def _base(name: str) -> str:
 
 def test_bucket_names_carry_the_members_shapes() -> None:
     """Ranks whose tensors have the same size but other shapes submit buckets of other
-    names, so the engines refuse to reduce them together (Horovod refuses it too)."""
+    names (a lone tensor goes in its own shape), so the engines refuse to reduce them
+    together (Horovod refuses it too)."""
     names = []
     for shape in ((17, 6), (6, 17)):
         reducer = TwoRanks()
@@ -338,3 +339,9 @@ def test_bucket_names_carry_the_members_shapes() -> None:
         reducer.release()
         names.append(reducer.calls[0][0])
     assert _base(names[0]) == _base(names[1]) and names[0] != names[1], names
+    reducer = TwoRanks()
+    channel = Channel(lambda: reducer, ordered=False)
+    slots = _group(channel, [np.ones((17, 6), np.float32)])
+    _hand_off_all(slots, [np.ones((17, 6), np.float32)])
+    reducer.release()
+    assert reducer.calls[0][0] == "g/0", reducer.calls

@@ -57,7 +57,8 @@ class Bucket:
         name: the bucket's collective name, equal on every rank (a lone tensor's own name).
         names: the collective names of its tensors, in buffer order.
         op: ``mean``, ``sum``, ``min`` or ``max``.
-        buffer: the tensors' values, flattened and concatenated (one dtype).
+        buffer: the tensors' values, flattened and concatenated (one dtype); a lone
+            tensor's in its own shape, so that the engine compares shapes across ranks.
         index: the bucket's position in its group's layout.
         compression: the wire compression its tensors asked for (``None``: the config's).
     """
@@ -124,11 +125,12 @@ class _Bucket:
     def __init__(self, index: int, slots: list[Any], buffer: np.ndarray) -> None:
         self.index, self.slots, self.buffer = index, slots, buffer
         names = tuple(s.name for s in slots)
-        name = names[0] if len(names) == 1 else f"bucket:{names[0]}..{names[-1]}"
-        # The engine sees one flat buffer: the members' shapes travel in its name, so
-        # ranks whose tensors differ in shape but not in size do not reduce together.
-        shapes = ";".join(str(s.spec_shape) for s in slots)
-        name = f"{name}#{zlib.crc32(shapes.encode()):08x}"
+        name = names[0]
+        if len(names) > 1:
+            # The engine sees one flat buffer: the members' shapes travel in its name, so
+            # ranks whose tensors differ in shape but not in size do not reduce together.
+            shapes = ";".join(str(s.spec_shape) for s in slots)
+            name = f"bucket:{names[0]}..{names[-1]}#{zlib.crc32(shapes.encode()):08x}"
         first = slots[0].collective
         self.spec = Bucket(name, names, first.op, buffer, index, first.compression)
         self.started: dict[int, Any] = {}   # slot position -> its tensor's handle, this step
@@ -193,8 +195,9 @@ class Fusion:
         self._submit(bucket, handles)
 
     def _submit(self, bucket: _Bucket, handles: dict[int, Any]) -> None:
-        flat = bucket.slots[0].buffer.reshape(-1) if len(bucket.slots) == 1 else bucket.buffer
-        spec = dataclasses.replace(bucket.spec, buffer=flat)
+        lone = len(bucket.slots) == 1
+        flat = bucket.slots[0].buffer.reshape(-1) if lone else bucket.buffer
+        spec = dataclasses.replace(bucket.spec, buffer=bucket.slots[0].buffer if lone else flat)
         channel = self._channel
         hook = channel.bucket_hook or _registered or default_bucket_hook
         try:
