@@ -64,12 +64,9 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
             flat.append(wire)
             collectives.append(Collective("allreduce", name, op.engine_op, label=label,  # type: ignore[arg-type]
                                           compression=on_host))
-    if typed:  # a face's collective: a disagreement in a graph is tf.errors.FailedPreconditionError
-        results, statuses = exchange(channel, flat, collectives, chained=chained, statuses=True)
-        if statuses is not None:
-            results = [checked([r], st, c.display)[0] for r, st, c in zip(results, statuses, collectives)]
-    else:
-        results = exchange(channel, flat, collectives, chained=chained)
+    # A face's collective (typed): ranks that disagree raise tf.errors.FailedPreconditionError in a graph too.
+    results = (_typed_exchange(channel, flat, collectives, chained=chained) if typed
+               else exchange(channel, flat, collectives, chained=chained))
     out: list[Any] = []
     for kind, info in plan:
         if kind == "none":
