@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError
 from ..ops.aggregation import ReduceSpec, check_passes
-from ..ops.arguments import Average, check_compression, resolve_op
+from ..ops.arguments import Average, check_gradient_args
 from ..ops.compression import Compression
-from ..ops.process_sets import ProcessSet, global_process_set
+from ..ops.process_sets import global_process_set
 from ..ops.tf1_optimizer import TF1DistributedOptimizer, is_tf1_optimizer
 from . import keras as _keras
 
@@ -51,17 +50,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         scale_local_gradients: divide the gradients of variables registered with
             ``register_local_var`` by the number of ranks.
     """
-    rop = resolve_op(op)
-    check_compression(compression)
+    rop = check_gradient_args(op, compression, gradient_predivide_factor, groups, process_set)
     passes = check_passes(backward_passes_per_step)
-    if gradient_predivide_factor != 1.0 and rop is not Average:
-        raise ConfigError("`gradient_predivide_factor` needs op=Average. "
-                          f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")
-    if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-        raise ConfigError("`groups` must be a positive integer or a list of lists of variables. "
-                          f"Received: groups={groups!r}")
-    if process_set is not None and not isinstance(process_set, ProcessSet):
-        raise ConfigError(f"`process_set` must be a hvd.ProcessSet. Received: process_set={process_set!r}")
     if is_tf1_optimizer(optimizer):
         spec = ReduceSpec(rop, compression, bool(sparse_as_dense), float(gradient_predivide_factor),
                           process_set if process_set is not None else global_process_set,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError, HostReduceError
+from ..errors import ConfigError
 from .process_sets import ProcessSet, global_process_set, group_of
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "resolve_op", "check_process_set",
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "resolve_op", "check_gradient_args",
            "kind_of", "on_set", "check_compression", "tf_tensor", "scale"]
 
 
@@ -31,16 +31,6 @@ Min = ReduceOp("Min", "min")
 Max = ReduceOp("Max", "max")
 Adasum = ReduceOp("Adasum", None)
 Product = ReduceOp("Product", "prod")
-
-
-def check_process_set(process_set: Any) -> None:
-    """Gradient reduction (the tape, the optimizer wrappers) spans the whole job."""
-    if process_set is not None and process_set is not global_process_set:
-        raise HostReduceError(
-            "`process_set` other than hvd.global_process_set is not supported for gradient reduction "
-            f"(DistributedGradientTape, DistributedOptimizer); use it with the collectives. "
-            f"Received: process_set={process_set!r}"
-        )
 
 
 def kind_of(kind: str, process_set: Any) -> str:
@@ -82,6 +72,23 @@ def check_compression(compression: Any) -> None:
             "`compression` must be Compression.none, Compression.fp16, Compression.bf16 or an object with "
             f"compress() and decompress(). Received: compression={compression!r}"
         )
+
+
+def check_gradient_args(op: Any, compression: Any, gradient_predivide_factor: Any, groups: Any,
+                        process_set: Any) -> ReduceOp:
+    """The checks every gradient-reducing wrapper (tapes, optimizers) makes of the
+    arguments they share; returns ``op`` resolved."""
+    rop = resolve_op(op)
+    check_compression(compression)
+    if gradient_predivide_factor != 1.0 and rop is not Average:
+        raise ConfigError("`gradient_predivide_factor` needs op=Average. "
+                          f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")
+    if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ConfigError("`groups` must be a positive integer or a list of lists of variables. "
+                          f"Received: groups={groups!r}")
+    if process_set is not None and not isinstance(process_set, ProcessSet):
+        raise ConfigError(f"`process_set` must be a hvd.ProcessSet. Received: process_set={process_set!r}")
+    return rop
 
 
 def tf_tensor(value: Any) -> Any:

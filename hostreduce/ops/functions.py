@@ -151,8 +151,9 @@ def broadcast_global_variables(root_rank: int) -> Any:
 
     if tf.executing_eagerly():
         raise HostReduceError(
-            "hvd.broadcast_global_variables() works only in a TF1 graph; eagerly, use "
-            "hvd.broadcast_variables(model.variables + optimizer.variables, root_rank) instead. "
+            "hvd.broadcast_global_variables() does not support eager execution (it works only in a TF1 graph); "
+            "use hvd.broadcast_variables(model.variables + optimizer.variables, root_rank) instead, or "
+            "callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(). "
             f"Received: root_rank={root_rank!r}"
         )
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)

@@ -17,8 +17,8 @@ from ..errors import ConfigError
 from . import job as _engine
 from .aggregation import ReduceSpec, layers_list, reduce_some
 from .compression import Compression
-from .arguments import Average, check_compression, resolve_op
-from .process_sets import ProcessSet, global_process_set
+from .arguments import Average, check_gradient_args
+from .process_sets import global_process_set
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 
@@ -85,18 +85,9 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         scale_local_gradients: divide the gradients of sources registered with
             ``register_local_source`` by the number of ranks.
     """
-    check_compression(compression)
-    if process_set is not None and not isinstance(process_set, ProcessSet):
-        raise ConfigError(f"`process_set` must be a hvd.ProcessSet. Received: process_set={process_set!r}")
     if not isinstance(gradtape, tf.GradientTape):
         raise ConfigError(f"`gradtape` must be a tf.GradientTape. Received: {type(gradtape).__name__}")
-    rop = resolve_op(op)
-    if gradient_predivide_factor != 1.0 and rop is not Average:
-        raise ConfigError("`gradient_predivide_factor` needs op=Average. "
-                          f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")
-    if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-        raise ConfigError("`groups` must be a positive integer or a list of lists of variables. "
-                          f"Received: groups={groups!r}")
+    rop = check_gradient_args(op, compression, gradient_predivide_factor, groups, process_set)
     _engine.job()  # fail here, not at gradient(), when init() was not called
     spec = ReduceSpec(rop, compression, bool(sparse_as_dense), float(gradient_predivide_factor),
                       process_set if process_set is not None else global_process_set, bool(scale_local_gradients))

@@ -17,9 +17,9 @@ from ...ops import job as _engine
 from ...ops.compression import Compression
 from ...ops.job import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank, shutdown,
                        size)
-from ...ops.arguments import Average, Max, Min, Sum, check_compression, resolve_op
+from ...ops.arguments import Average, Max, Min, Sum, check_compression, check_gradient_args
 from ...ops.process_sets import ProcessSet, global_process_set
-from ...ops.tensors import broadcast_variables
+from ...ops.functions import broadcast_global_variables
 from ...ops.optimizer import HOST, WrapperConfig, wrap_loaded_optimizer, wrap_optimizer
 from ...ops.tensors import allgather as _allgather, allreduce as _allreduce, broadcast as _broadcast
 from ...ops.collectives import reducescatter as _reducescatter
@@ -76,14 +76,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     """
     from ...ops.aggregation import check_passes
 
-    check_compression(compression)
-    rop = resolve_op(op)
+    rop = check_gradient_args(op, compression, gradient_predivide_factor, groups, process_set)
     passes = check_passes(backward_passes_per_step)
-    if gradient_predivide_factor != 1.0 and rop is not Average:
-        raise ConfigError("`gradient_predivide_factor` needs op=Average. "
-                          f"Received: gradient_predivide_factor={gradient_predivide_factor!r}, op={rop!r}")
-    if process_set is not None and not isinstance(process_set, ProcessSet):
-        raise ConfigError(f"`process_set` must be a hvd.ProcessSet. Received: process_set={process_set!r}")
     config = WrapperConfig(rop, compression, bool(sparse_as_dense), float(gradient_predivide_factor),
                            bool(variables_on_host), passes, bool(average_aggregated_gradients),
                            process_set, bool(scale_local_gradients))
@@ -213,25 +207,6 @@ def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any
     if isinstance(compile_config, dict) and "optimizer" in compile_config:
         compile_config["optimizer"] = wrapped
     return model
-
-
-def broadcast_global_variables(root_rank: int) -> Any:
-    """Broadcast TensorFlow 1's global variables from ``root_rank`` (graph mode only).
-
-    Eagerly, as in Horovod, this raises: broadcast ``model.variables`` and
-    ``optimizer.variables`` with ``hostreduce.horovod.broadcast_variables``, or use
-    ``callbacks.BroadcastGlobalVariablesCallback(root_rank)`` in ``fit``.
-    """
-    import tensorflow as tf
-
-    _engine.job()
-    if tf.executing_eagerly():
-        raise ConfigError(
-            "broadcast_global_variables() does not support eager execution (TensorFlow 2 has no global "
-            "variables). Use callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "
-            f"hostreduce.horovod.broadcast_variables(model.variables, root_rank). Received: root_rank={root_rank!r}"
-        )
-    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 # The process API's other names of horovod.tensorflow (build queries, timeline, ...):
