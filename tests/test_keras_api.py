@@ -10,9 +10,9 @@ Adapter's calls).
 * in ``fit`` the first reduction is submitted before the backward pass ends;
 * the callbacks: broadcast makes ranks equal, metric averages are means, the learning
   rates are Horovod's formulas;
-* one worker: every ``distribute`` call is a no-op; clear errors;
-* a script in the shape of Horovod's TF2 Keras MNIST example under ``hostreduce run``
-  and ``mpirun`` ends with the same weights on every rank.
+* one worker: every ``distribute`` call is a no-op; clear errors.
+
+(Horovod's TF2 Keras MNIST example, in shape, is in ``test_horovod_examples.py``.)
 
 The ring runs are shared by several tests (one spawn per world size).
 """
@@ -27,12 +27,11 @@ import pytest
 HERE = Path(__file__).resolve().parent
 from tests.keras_workers import keras_api  # noqa: E402
 from tests.mpi_workers.mpi_launch import mpi_skip_reason  # noqa: E402
-from tests.script_jobs import base_env, run_launcher, run_mpirun  # noqa: E402
+from tests.script_jobs import base_env, run_mpirun  # noqa: E402
 from tests.weights_check import check_training as _check_training  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
-MNIST = HERE / "keras_workers" / "tensorflow2_keras_mnist.py"
 _MPI_SKIP = mpi_skip_reason()
 _JOB_VARS = ("TF_CONFIG", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
              "HOROVOD_RANK", "HOROVOD_SIZE")
@@ -259,28 +258,3 @@ def test_clear_errors_for_unsupported_arguments(one_worker: None) -> None:
         model.fit(np.ones((2, 2), np.float32), np.ones((2, 1), np.float32), verbose=0)
 
 
-_DIGEST = re.compile(r"RESULT rank (\d)/2: weights=([0-9a-f]+)")
-
-
-def _check_mnist(output: str, returncode: int, checkpoints: Path) -> None:
-    assert returncode == 0, output
-    digests = dict(_DIGEST.findall(output))
-    assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], output
-    assert "finished gradual learning rate warmup" in output, output
-    # Keras's progress bar on rank 0 only (verbose=0 elsewhere), with the averaged metrics.
-    assert output.count("Epoch 1/3") == 1 and re.search(r"10/10.*accuracy: [0-9.]+ - loss: [0-9.]+", output), output
-    assert sorted(p.name for p in checkpoints.glob("checkpoint-*.keras")) == ["checkpoint-1.keras",
-                                                                             "checkpoint-2.keras",
-                                                                             "checkpoint-3.keras"], output
-
-
-def test_keras_mnist_example_under_launcher(tmp_path: Path) -> None:
-    worker = run_launcher(MNIST, ["3", "20", str(tmp_path)], env=base_env(), timeout=180)
-    _check_mnist(worker.output, worker.returncode, tmp_path)
-
-
-@pytest.mark.mpi
-@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
-def test_keras_mnist_example_under_mpirun(tmp_path: Path) -> None:
-    worker = run_mpirun(MNIST, ["3", "20", str(tmp_path)], env=base_env(), timeout=180)
-    _check_mnist(worker.output, worker.returncode, tmp_path)
