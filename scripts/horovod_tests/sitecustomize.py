@@ -3,10 +3,13 @@ there): ``horovod.tensorflow`` and ``horovod.tensorflow.keras`` (and ``horovod.k
 become ``hostreduce.horovod`` and ``hostreduce.horovod.keras``: an import alias only,
 so that Horovod's own test files run unmodified on hostreduce. Horovod's other modules
 (``horovod.common.util``, ``horovod.runner...``) stay Horovod's; its small
-``horovod/tensorflow/util.py`` is loaded on its own (it needs only TensorFlow).
+``horovod/tensorflow/util.py`` is loaded on its own (it needs only TensorFlow). Where
+Horovod is not installed, ``horovod`` itself is an empty package, so that the aliases
+still import.
 """
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -22,6 +25,8 @@ ALIASES = {
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
+        if name == "horovod" and importlib.machinery.PathFinder.find_spec(name, path) is None:
+            return importlib.util.spec_from_loader(name, self, is_package=True)
         if name in ALIASES:
             return importlib.util.spec_from_loader(name, self)
         if name == "horovod.tensorflow.util":
@@ -33,6 +38,8 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
+        if spec.name == "horovod":
+            return None  # the default: an empty package
         return importlib.import_module(ALIASES[spec.name])
 
     def exec_module(self, module):
