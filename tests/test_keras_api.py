@@ -18,6 +18,7 @@ The ring runs are shared by several tests (one spawn per world size).
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -258,3 +259,14 @@ def test_clear_errors_for_unsupported_arguments(one_worker: None) -> None:
         model.fit(np.ones((2, 2), np.float32), np.ones((2, 1), np.float32), verbose=0)
 
 
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf_keras is not installed")
+def test_tf_keras_legacy_optimizer_reduces() -> None:
+    """tf_keras's legacy optimizers (``OptimizerV2``) are wrapped too: ranks that train on
+    different data end with the same weights."""
+    from hostreduce.testing import run_ranks
+
+    first, second = run_ranks(keras_api.legacy_optimizer_rank, 2, timeout=180)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)

@@ -271,3 +271,25 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+
+def legacy_optimizer_rank(rank: int, size: int) -> list:
+    """A tf_keras legacy optimizer (``OptimizerV2``) wrapped by ``DistributedOptimizer``
+    and trained with ``train_on_batch`` on this rank's own data, as Horovod's
+    test_legacy_optimizer does (there without a check of the result): the weights each
+    rank ends with."""
+    import tf_keras
+
+    import hostreduce.horovod.keras as hvd
+
+    hvd.init()
+    tf_keras.utils.set_random_seed(7)
+    opt = hvd.DistributedOptimizer(tf_keras.optimizers.legacy.Adam(learning_rate=0.01))
+    model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,))])
+    model.compile(loss="mse", optimizer=opt)
+    rng = np.random.default_rng(100 + rank)  # every rank its own batch
+    for _ in range(3):
+        model.train_on_batch(rng.random((8, 3), np.float32), rng.random((8, 2), np.float32))
+    weights = [w.numpy() for w in model.weights]
+    hvd.shutdown()
+    return weights
