@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ReducerClosedError
-from . import job_end
+from .job_end import describe_exception, note_peer_failure, track, untrack
 from ._args import (SUPPORTED_DTYPES, ReduceOp, apply_mean, check_array, check_reducible, check_counts, check_out, even_counts,
                     is_low_precision)
 
@@ -332,7 +332,7 @@ class Reducer(abc.ABC):
         """Release sockets, threads and buffers. Safe to call more than once."""
         if not self._closed:
             self._closed = True
-            job_end.untrack(self)
+            untrack(self)
             self._close()
 
     def _abort(self, reason: str) -> None:
@@ -344,7 +344,7 @@ class Reducer(abc.ABC):
         """
         if not self._closed:
             self._closed = True
-            job_end.untrack(self)
+            untrack(self)
             self._close_failed(reason)
 
     def _close_failed(self, reason: str) -> None:
@@ -354,13 +354,13 @@ class Reducer(abc.ABC):
         """Call at the end of a successful ``__init__``: until ``close()``, the reducer is
         closed at interpreter exit (with an abort if the exit is due to an unhandled
         exception), before the interpreter joins any thread that might wait on a peer."""
-        job_end.track(self)
+        track(self)
 
     @staticmethod
     def _peer_failed(error: BaseException) -> None:
         """Engines call this when a peer failed (not when it left in an orderly way): the
         process then exits non-zero even if the script catches the error."""
-        job_end.note_peer_failure(error)
+        note_peer_failure(error)
 
     @property
     def closed(self) -> bool:
@@ -390,4 +390,4 @@ class Reducer(abc.ABC):
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             self.close()
         else:  # the block failed: peers learn why at once
-            self._abort(job_end.describe_exception(exc))
+            self._abort(describe_exception(exc))

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..cluster import format_tf_config
 from ..errors import ConfigError, RankFailedError, RankTimeoutError
 from ..processes import alive as _alive, free_ports
-from . import _stacks
+from ._stacks import collect as collect_stacks, install as install_stacks
 from .preloading import Inherited, rank_context
 
 __all__ = [
@@ -106,7 +106,7 @@ def _rank_main(
 ) -> None:
     """Body of one rank process: set up the environment, run ``fn``, report back."""
     if stacks_path is not None:  # what the parent reads when this rank does not finish in time
-        _stacks.install(stacks_path)
+        install_stacks(stacks_path)
     try:
         os.setsid()  # Own process group, so the parent can kill whatever this rank starts.
     except OSError:
@@ -230,7 +230,7 @@ def _run(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = sorted(pending)
-                stacks = _stacks.collect({r: procs[r] for r in timed_out}, stacks_paths)
+                stacks = collect_stacks({r: procs[r] for r in timed_out}, stacks_paths)
                 break
             waitables: list[Any] = [conns[r] for r in pending if r not in closed]
             waitables += [procs[r].sentinel for r in pending]
