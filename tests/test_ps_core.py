@@ -405,7 +405,7 @@ def test_checkpoint_restores_onto_three_ps_and_a_crash_before_publish_keeps_the_
     two = LocalCluster(2, 1)
     try:
         c = two.client(0)
-        c.register(model_values(), config, shard_bytes=20_000)
+        c.register(model_values(), config, shard_bytes=20_000, model_dir=d)
         c.push(*worker_grads(0, 1), step=1)
         c.save(d, 1)
         saved = c.pull()
@@ -426,7 +426,7 @@ def test_checkpoint_restores_onto_three_ps_and_a_crash_before_publish_keeps_the_
     three = LocalCluster(3, 1)
     try:
         c = three.client(0)
-        c.register(model_values(seed=5), config, shard_bytes=20_000)
+        c.register(model_values(seed=5), config, shard_bytes=20_000, model_dir=d)
         assert c.placement.num_ps == 3 and c.placement["emb"].sharded
         assert c.restore(d) == 1
         got = c.pull()

@@ -20,7 +20,7 @@ log = logging.getLogger("hostreduce.ps")
 
 def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: float | None = None,
                     chief_timeout_s: float | None = None, env: Mapping[str, str] | None = None,
-                    cluster: Any = None, config: Any = None) -> Any:
+                    cluster: Any = None, config: Any = None, nonfinite: str = "apply") -> Any:
     """The :class:`ParameterServer` of this ``ps`` task (not started).
 
     Args:
@@ -32,6 +32,8 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
         env: where ``TF_CONFIG`` and ``HOSTREDUCE_*`` are read (default ``os.environ``).
         cluster: a ``ClusterSpec`` resolved with roles, instead of ``TF_CONFIG``.
         config: a ``Config`` (secret, timeout), instead of ``HOSTREDUCE_*``.
+        nonfinite: a pushed gradient holding NaN or Inf is applied (``"apply"``, as
+            TensorFlow's optimizers do) or refused (``"refuse"``).
     """
     from ..cluster import resolve_cluster
     from ..config import Config
@@ -49,7 +51,7 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
     return ParameterServer(spec.task_index, list(spec.ps_addresses), len(spec.worker_addresses), config.secret,
                            mode=mode, timeout_s=timeout, reduce=reduce,
                            chief_timeout_s=4 * timeout if chief_timeout_s is None else chief_timeout_s,
-                           tune_malloc=config.tune_malloc)
+                           tune_malloc=config.tune_malloc, nonfinite=nonfinite)
 
 
 def serve_from_env(**kwargs: Any) -> None:
