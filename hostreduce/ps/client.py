@@ -61,7 +61,8 @@ class PSClient:
         for m, addr in enumerate(self.addresses):
             channel = grpc.insecure_channel(addr, options=grpc_options(self.timeout_s))
             self._channels.append(channel)
-            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline)
+            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline,
+                          num_ps=len(self.addresses))
             self._meta.append(((SESSION_KEY, token),))
             self._stubs.append({n: channel.unary_unary(f"/{wire.SERVICE}/{n}") for n in wire.METHODS})
 

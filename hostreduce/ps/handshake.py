@@ -8,9 +8,16 @@ with its id, a nonce and its proof; the worker checks that proof and sends its o
 (``Login``, in the call's metadata); the ps then hands it a random session token that
 every later call carries. A refused handshake is logged (rate-limited by
 ``admission.Refusals``) and changes nothing else: a stranger cannot disturb the job.
+
+The ``Hello`` also carries how many workers and ps the worker's cluster lists. The ids
+in the proofs depend on them, so tasks whose ``TF_CONFIG`` disagree would fail each
+other's proofs as if their secrets differed; the ps compares them first and refuses
+the worker naming both clusters' counts instead.
 """
 from __future__ import annotations
 
+import json
+import logging
 import secrets
 import threading
 import time
@@ -33,9 +40,17 @@ class Gate:
         self.num_workers = num_workers
         self._secret = secret
         self._nonces = auth.NonceBook()
-        self.refusals = admission.Refusals(self.me)
+        self.refusals = admission.Refusals(self.me, name=f"ps task {ps_index}",
+                                           logger=logging.getLogger("hostreduce.ps"))
+        self.num_ps = num_ps
         self._sessions: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.logged_in: dict[int, float] = {}  # worker -> when it first logged in
+        self.mismatched: dict[int, str] = {}   # worker -> why its cluster differs from this ps's
+
+    def logins(self) -> dict[int, float]:
+        with self._lock:
+            return dict(self.logged_in)
 
     def _refuse(self, context: Any, claimed: int | None, why: str, code_name: str) -> None:
         import grpc
@@ -47,10 +62,23 @@ class Gate:
 
     def hello(self, request: bytes, context: Any) -> bytes:
         try:
+            claimed = None
+            fields = json.loads(request) if len(request) <= admission.MAX_HELLO_BYTES else {}
+            workers, ps = (fields.get("workers"), fields.get("ps")) if isinstance(fields, dict) else (None, None)
+            if type(fields.get("rank") if isinstance(fields, dict) else None) is int:
+                claimed = fields["rank"]
+            if (workers, ps) != (None, None) and (workers, ps) != (self.num_workers, self.num_ps):
+                why = (f"the cluster differs: this ps task's TF_CONFIG lists {self.num_workers} worker(s) and "
+                       f"{self.num_ps} ps, worker {admission.short(claimed)}'s lists {admission.short(workers)} "
+                       f"worker(s) and {admission.short(ps)} ps; every task needs the same cluster")
+                if type(claimed) is int and 0 <= claimed < 1 << 16:
+                    with self._lock:
+                        self.mismatched[claimed] = why
+                self._refuse(context, claimed, why, "FAILED_PRECONDITION")
             rank, nonce = admission.parse_hello(request, self.me, self.size)
             if rank >= self.num_workers:
                 raise ValueError(f"rank {rank} is not a worker (workers are 0..{self.num_workers - 1})")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             self._refuse(context, None, f"malformed handshake: {e}", "INVALID_ARGUMENT")
         return admission.hello_reply(self._secret, self.me, rank, nonce, self._nonces.issue())
 
@@ -62,6 +90,7 @@ class Gate:
         token = secrets.token_hex(16)
         with self._lock:
             self._sessions[token] = rank
+            self.logged_in.setdefault(rank, time.monotonic())
         return token.encode()
 
     def worker(self, context: Any) -> int:
@@ -75,7 +104,7 @@ class Gate:
 
 
 def login(channel: Any, service: str, secret: str, rank: int, ps_index: int, num_workers: int,
-          addr: str, deadline: float) -> str:
+          addr: str, deadline: float, num_ps: int | None = None) -> str:
     """Authenticate worker ``rank`` to ps task ``ps_index`` at ``addr`` (both ways);
     returns the session token. Waits for the ps to come up until ``deadline``."""
     import grpc
@@ -89,9 +118,13 @@ def login(channel: Any, service: str, secret: str, rank: int, ps_index: int, num
             raise ClusterError(f"Worker {rank}: ps task {ps_index} at {addr!r} did not answer within the "
                                "connect timeout (it has not started, or the address is wrong)")
         try:
-            raw = hello(admission.hello_request(me, my_nonce), timeout=min(left, 1.0), wait_for_ready=True)
+            raw = hello(_hello_request(me, my_nonce, num_workers, num_ps), timeout=min(left, 1.0),
+                        wait_for_ready=True)
             break
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise ClusterError(f"Worker {rank}: ps task {ps_index} at {addr!r} refused this worker: "
+                                   f"{e.details()}") from None
             if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise ClusterError(f"Worker {rank}: handshake with ps task {ps_index} at {addr!r} failed: "
                                    f"{e.details()}") from None
@@ -113,3 +146,10 @@ def login(channel: Any, service: str, secret: str, rank: int, ps_index: int, num
         raise AuthenticationError(f"Worker {rank}: the process at {addr!r} failed to prove it is ps task "
                                   f"{ps_index} of this job: a different HOSTREDUCE_SECRET, or another job's ps")
     return token.decode()
+
+
+def _hello_request(rank: int, nonce: str, num_workers: int, num_ps: int | None) -> bytes:
+    """The ring's handshake, plus the counts of this worker's cluster."""
+    if num_ps is None:
+        return admission.hello_request(rank, nonce)
+    return json.dumps({"rank": rank, "nonce": nonce, "workers": num_workers, "ps": num_ps}).encode()

@@ -31,6 +31,13 @@ What a ps accepts from an authenticated worker (a buggy or compromised one inclu
   out), and ``Save`` only at a step the ps has reached (sync: its step; async: the
   highest step a push reported).
 
+``startup_timeout_s``: a job that does not form ends too. Unless the chief has
+registered the variables within that time of this ps's start (or of the chief's first
+login here, if later), serving ends with :attr:`failure` naming why: the chief never
+logged in, or did but never registered (it failed elsewhere: another ps, its model);
+which workers did log in; what was refused meanwhile (another secret, a cluster whose
+worker or ps count differs from this ps's).
+
 ``chief_timeout_s``: once the chief (worker 0) has called, a chief silent for that long
 (its strategy sends a heartbeat) ends the serving with :attr:`failure` set, so a ps of
 a job whose chief was killed does not serve forever. The chief's ``Shutdown`` says
@@ -63,7 +70,8 @@ log = logging.getLogger("hostreduce.ps")
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
-                 chief_timeout_s: float | None = None, tune_malloc: bool = True, nonfinite: str = "apply") -> None:
+                 chief_timeout_s: float | None = None, tune_malloc: bool = True, nonfinite: str = "apply",
+                 startup_timeout_s: float | None = None) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -91,6 +99,8 @@ class ParameterServer:
         self._stopped = threading.Event()
         self._server: Any = None
         self.chief_timeout_s = chief_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._started_at = time.monotonic()
         self.tune_malloc = tune_malloc     # Config.tune_malloc, as the ring's processes
         self.failure: str | None = None   # why serving ended other than by a successful job's Shutdown
         # NaN/Inf gradients: applied, as TensorFlow's optimizers do, or refused.
@@ -123,6 +133,7 @@ class ParameterServer:
             raise ClusterError(f"ps task {self.index} cannot listen on {addr!r}: the port is taken or the address "
                                "is not local")
         self._server.start()
+        self._started_at = time.monotonic()
         threading.Thread(target=self._watch, daemon=True, name=f"hostreduce-ps{self.index}-watch").start()
         log.info("ps task %d serving on %s (%s, %d workers)", self.index, addr, self.mode, self.num_workers)
 
@@ -142,9 +153,17 @@ class ParameterServer:
             self._server.stop(grace=1.0).wait()
 
     def _watch(self) -> None:
-        period = max(0.1, min(self.timeout_s, self.chief_timeout_s or self.timeout_s) / 4)
+        period = max(0.1, min(self.timeout_s, self.chief_timeout_s or self.timeout_s,
+                              self.startup_timeout_s or self.timeout_s) / 4)
         while not self._stopped.wait(period):
             now = time.monotonic()
+            if self._registered_at is None and self.startup_timeout_s:
+                since = max(self._started_at, self.gate.logins().get(0, self._started_at))
+                if now - since > self.startup_timeout_s:
+                    self.failure = self._startup_failure(now)
+                    log.error("%s; this ps stops serving", self.failure)
+                    self._stopped.set()
+                    return
             chief = self._seen.get(0)
             if self.chief_timeout_s and chief is not None and now - chief > self.chief_timeout_s:
                 self.failure = (f"ps task {self.index}: the chief (worker 0) has not called for {now - chief:.1f} s "
@@ -162,6 +181,24 @@ class ParameterServer:
                     log.warning("ps task %d: worker %d %s for %.1f s (timeout_s=%g): lost%s", self.index, rank,
                                 "has not called" if rank in self._seen else "never called", now - seen,
                                 self.timeout_s, "; async training goes on without it" if self.mode == "async" else "")
+
+    def _startup_failure(self, now: float) -> str:
+        logins = self.gate.logins()
+        if 0 in logins:
+            text = (f"the chief (worker 0) logged in {now - logins[0]:.1f} s ago but never registered the variables "
+                    "(it failed before: with another ps, or building its model)")
+        else:
+            text = "the chief (worker 0) never logged in to this ps"
+        others = sorted(r for r in logins if r)
+        text += f"; worker(s) {others} logged in" if others else "; no other worker logged in"
+        refused = self.gate.refusals.by_claim()
+        if refused:
+            text += "; refused meanwhile: " + "; ".join(
+                f"{n} connection(s) that claimed to be worker {r} ({why})" for r, (n, why) in sorted(refused.items()))
+        elif self.gate.refusals.count:
+            text += f"; refused meanwhile {self.gate.refusals.count} connection(s) that failed the handshake"
+        return (f"ps task {self.index}: the job did not form within startup_timeout_s={self.startup_timeout_s:g}: "
+                + text)
 
     # ------------------------------------------------------------------ dispatch
     def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[bytes, Any], bytes]:

@@ -109,10 +109,13 @@ def check_proof(meta: dict[str, str], secret: str, nonces: auth.NonceBook, rank:
 
 
 class Refusals:
-    """The connections this rank refused, by the rank they claimed to be."""
+    """The connections this rank refused, by the rank they claimed to be. ``name``: how
+    the log names this end (default ``rank <rank>``); ``logger``: where it logs."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, *, name: str | None = None, logger: logging.Logger | None = None) -> None:
         self._rank = rank
+        self._name = name or f"rank {rank}"
+        self._log = logger or log
         self._lock = threading.Lock()
         self.count = 0
         self._claimed: dict[int, tuple[int, str]] = {}  # claimed rank -> (count, last reason)
@@ -128,8 +131,14 @@ class Refusals:
                 self._claimed[claimed] = (times, f"{why}, last from {peer}")
         if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
             more = f" ({n} refused so far)" if n > _LOG_FIRST else ""
-            log.warning("rank %d: refused connection from %s%s: %s%s", self._rank, peer,
-                        "" if claimed is None else f" (claimed rank {claimed})", why, more)
+            self._log.warning("%s: refused connection from %s%s: %s%s", self._name, peer,
+                              "" if claimed is None else f" (claimed rank {claimed})", why, more)
+
+    def by_claim(self) -> dict[int, tuple[int, str]]:
+        """Claimed rank -> (how many refusals, the last one's reason and peer), for the
+        ranks that were not connected when refused."""
+        with self._lock:
+            return dict(self._claimed)
 
     def timeout_error(self, text: str, missing: list[int]) -> ClusterError | AuthenticationError:
         """The error for a start-up that timed out waiting for ``missing`` (``text``
