@@ -3,7 +3,8 @@
 One generic gRPC service (``wire.SERVICE``) bound to exactly the address the cluster
 gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
 method takes and returns one ``wire`` message and runs only for an authenticated
-worker. Errors travel as the call's status with ``"<ErrorClass>: message"`` as its
+worker: which handler a call gets is decided from its metadata before its body is read
+(``_Admission``), so a stranger's call is refused unread and holds no thread. Errors travel as the call's status with ``"<ErrorClass>: message"`` as its
 details, and the client raises the same class.
 
 ``mode="sync"``: a push carries one worker's gradients of step S for this ps and
@@ -117,14 +118,17 @@ class ParameterServer:
 
             tune_malloc()
         addr = self.addresses[self.index]
+        # Strangers hold no thread (their calls are answered or refused at once, unread),
+        # so the pool is the workers': a few calls each at once (a step's pull and push,
+        # a heartbeat, Done), the chief's control calls, and room for handshakes.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
                                    options=grpc_options(self.timeout_s))
-        handlers = {"Hello": grpc.unary_unary_rpc_method_handler(self.gate.hello),
-                    "Login": grpc.unary_unary_rpc_method_handler(self.gate.login)}
+        handlers = {"Hello": grpc.stream_unary_rpc_method_handler(self.gate.hello),
+                    "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
         for name in wire.METHODS:
             handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+        self._server.add_generic_rpc_handlers((_Admission(self.index, self.gate, handlers),))
         try:
             bound = self._server.add_insecure_port(addr)
         except RuntimeError:
@@ -146,6 +150,7 @@ class ParameterServer:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.gate.refusals.flush(force=True)
         # Pushes still waiting for a step would hold their threads (and the process's
         # exit) until their wait ends; no worker will complete that step now.
         self.barrier.abort(self.failure or "the chief ended the job")
@@ -157,6 +162,7 @@ class ParameterServer:
                               self.startup_timeout_s or self.timeout_s) / 4)
         while not self._stopped.wait(period):
             now = time.monotonic()
+            self.gate.refusals.flush()
             if self._registered_at is None and self.startup_timeout_s:
                 since = max(self._started_at, self.gate.logins().get(0, self._started_at))
                 if now - since > self.startup_timeout_s:
@@ -394,3 +400,32 @@ def _names(h: dict, key: str, *, required: bool = True, distinct: bool = True) -
     if distinct and len(set(names)) != len(names):
         raise ConfigError(f"`{key}` must name each variable once. Received: {key}={str(names)[:80]}")
     return names
+
+
+class _Admission:
+    """Which handler a call gets, decided from its method and metadata alone, before
+    gRPC reads its body or gives it a thread (``grpc.GenericRpcHandler``'s ``service``
+    runs on the server's polling thread): an unknown method is refused there (gRPC
+    answers UNIMPLEMENTED), a call without a valid session token gets a handler that
+    refuses it without reading its body, and ``Hello``/``Login`` read only metadata."""
+
+    def __init__(self, index: int, gate: Any, handlers: dict[str, Any]) -> None:
+        import grpc
+
+        self._gate = gate
+        self._prefix = f"/{wire.SERVICE}/"
+        self._handlers = handlers
+        self._refuse = grpc.stream_unary_rpc_method_handler(gate.no_session)
+        self._open = {"Hello", "Login"}
+
+    def service(self, details: Any) -> Any:
+        method = details.method if isinstance(details.method, str) else ""
+        name = method[len(self._prefix):] if method.startswith(self._prefix) else None
+        handler = self._handlers.get(name) if name else None
+        if handler is None:
+            self._gate.refusals.refuse("an unknown peer", None, f"unknown method {method[:80]!r}", set(),
+                                       kind="unknown method")
+            return None
+        if name in self._open or self._gate.session(details.invocation_metadata) is not None:
+            return handler
+        return self._refuse
