@@ -3,11 +3,11 @@
 
 Workers and ps tasks share one id space for the proofs: worker ``r`` is ``r``, ps task
 ``m`` is ``num_workers + m``, so a proof names both ends and a ps's proof cannot pass
-for a worker's. The worker sends ``{"rank", "nonce"}`` (``Hello``); the ps answers
-with its id, a nonce and its proof; the worker checks that proof and sends its own
-(``Login``, in the call's metadata); the ps then hands it a random session token that
-every later call carries. A refused handshake is logged (rate-limited by
-``admission.Refusals``) and changes nothing else: a stranger cannot disturb the job.
+for a worker's. The worker sends ``{"rank", "nonce"}`` (``Hello``, in the call's
+metadata); the ps answers with its id, a nonce and its proof; the worker checks that
+proof and sends its own (``Login``, in the call's metadata too); the ps then hands it a
+random session token that every later call carries. A refused handshake is logged
+(by class, rate-limited with counts: ``admission.Refusals``) and changes nothing else.
 
 The ``Hello`` also carries how many workers and ps the worker's cluster lists. The ids
 in the proofs depend on them, so tasks whose ``TF_CONFIG`` disagree would fail each

@@ -4,8 +4,9 @@ One generic gRPC service (``wire.SERVICE``) bound to exactly the address the clu
 gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
 method takes and returns one ``wire`` message and runs only for an authenticated
 worker: which handler a call gets is decided from its metadata before its body is read
-(``_Admission``), so a stranger's call is refused unread and holds no thread. Errors travel as the call's status with ``"<ErrorClass>: message"`` as its
-details, and the client raises the same class.
+(``_Admission``), so a stranger's call is refused unread and holds no thread. Errors
+travel as the call's status with ``"<ErrorClass>: message"`` as its details, and the
+client raises the same class.
 
 ``mode="sync"``: a push carries one worker's gradients of step S for this ps and
 returns when every worker's have been summed and applied (``barrier.py``).
@@ -128,7 +129,7 @@ class ParameterServer:
                     "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
         for name in wire.METHODS:
             handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
-        self._server.add_generic_rpc_handlers((_Admission(self.index, self.gate, handlers),))
+        self._server.add_generic_rpc_handlers((_Admission(self.gate, handlers),))
         try:
             bound = self._server.add_insecure_port(addr)
         except RuntimeError:
@@ -409,7 +410,7 @@ class _Admission:
     answers UNIMPLEMENTED), a call without a valid session token gets a handler that
     refuses it without reading its body, and ``Hello``/``Login`` read only metadata."""
 
-    def __init__(self, index: int, gate: Any, handlers: dict[str, Any]) -> None:
+    def __init__(self, gate: Gate, handlers: dict[str, Any]) -> None:
         import grpc
 
         self._gate = gate
