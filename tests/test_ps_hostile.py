@@ -33,8 +33,8 @@ from tests.ps_helpers import LocalCluster, model_values, worker_grads
 pytestmark = pytest.mark.timeout(240)
 
 PS_SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "serve_ps.py"
-HELD_PER_PS = 64
-GARBAGE_PER_PS = 100
+HELD_PER_PS = 200         # calls whose request never arrives, each on a connection of its own
+GARBAGE_PER_PS = 1000     # connections sending random bytes or an HTTP/2 preface and junk
 STEPS = 4
 
 
@@ -73,7 +73,7 @@ class _Strangers:
 
     def __init__(self, addresses: list[str]) -> None:
         self.release = threading.Event()
-        self.channels = [grpc.insecure_channel(a) for a in addresses]
+        self.channels: list[Any] = []
         self.calls: list[tuple[str, Any]] = []
         self.addresses = addresses
 
@@ -84,8 +84,11 @@ class _Strangers:
 
     def hold(self, per_ps: int) -> None:
         methods = ["Push", "PullRows", "Shutdown", "Hello", "Login", "Register"]
-        for channel in self.channels:
+        for addr in self.addresses:
             for i in range(per_ps):
+                # A connection per call (no subchannel shared between channels).
+                channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+                self.channels.append(channel)
                 method = f"/{wire.SERVICE}/{methods[i % len(methods)]}"
                 metadata = (("hr-session", secrets.token_hex(16)),) if i % 2 else ()
                 call = channel.stream_unary(method).future(self._never(), timeout=120, metadata=metadata)
@@ -98,12 +101,13 @@ class _Strangers:
             for i in range(per_ps):
                 with socket.create_connection((host, int(port)), timeout=10) as s:
                     s.sendall((preface if i % 2 else b"") + os.urandom(512))
-        for channel in self.channels:
-            for method in ("/hostreduce.ParameterServer/Nope", "/grpc.health.v1.Health/Check", "/x"):
-                for _ in range(per_ps // 10):
-                    with pytest.raises(grpc.RpcError) as info:
-                        channel.unary_unary(method)(b"junk", timeout=10)
-                    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        for addr in self.addresses:
+            with grpc.insecure_channel(addr) as channel:
+                for method in ("/hostreduce.ParameterServer/Nope", "/grpc.health.v1.Health/Check", "/x"):
+                    for _ in range(per_ps // 30):
+                        with pytest.raises(grpc.RpcError) as info:
+                            channel.unary_unary(method)(b"junk", timeout=10)
+                        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
     def close(self) -> dict[str, int]:
         """Let the held requests go; how each held call ended, by status."""
