@@ -17,12 +17,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 from hostreduce.processes import free_ports
