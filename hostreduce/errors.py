@@ -24,6 +24,8 @@ __all__ = [
     "HorovodUnavailableError",
     "WireError",
     "JobFailedError",
+    "NonFiniteGradientError",
+    "RoleError",
     "RankFailedError",
     "RankTimeoutError",
     "NotByRowsError",
@@ -97,6 +99,18 @@ class WireError(HostReduceError, ValueError):
 
 class JobFailedError(HostReduceError):
     """The job a ps task served ended by a failure (the chief's, or the chief was lost)."""
+
+
+class NonFiniteGradientError(HostReduceError, ValueError):
+    """A gradient pushed to a parameter server holds NaN or Inf and the ps was started to
+    refuse them (``nonfinite="refuse"``); nothing of the push (in sync mode, of its step)
+    was applied."""
+
+
+class RoleError(HostReduceError, PermissionError):
+    """An authenticated task made a parameter-server call its role does not allow: only
+    the chief registers, holds, opens, saves, restores and ends the job, and it saves
+    only under the ``model_dir`` it registered, at a step the ps has reached."""
 
 
 class UnsupportedCallError(HostReduceError, NotImplementedError):

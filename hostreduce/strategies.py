@@ -240,6 +240,10 @@ class ParameterServerStrategy(Strategy):
             of a step (default ``HOSTREDUCE_TIMEOUT_S``).
         sparse: how momentum and Adam update an embedding's rows: ``"keras"`` (exactly
             as Keras on the dense gradient) or ``"lazy"`` (only the rows in the batch).
+        nonfinite: what a ps does with a pushed gradient holding NaN or Inf:
+            ``"apply"`` (what TensorFlow's optimizers do) or ``"refuse"`` (the push
+            fails with ``NonFiniteGradientError``, in sync mode its step for every
+            worker, and nothing of it is applied). Read on the ``ps`` tasks.
         cluster_resolver: as for :class:`MultiWorkerStrategy`.
         config: a ``hostreduce.config.Config`` (secret, timeouts; the workers' ring).
 
@@ -255,7 +259,8 @@ class ParameterServerStrategy(Strategy):
     parameter_servers = True
 
     def __init__(self, sync: bool = True, shard_bytes: int | None = None, timeout_s: float | None = None,
-                 sparse: str = "keras", cluster_resolver: Any = None, config: Any = None) -> None:
+                 sparse: str = "keras", cluster_resolver: Any = None, config: Any = None,
+                 nonfinite: str = "apply") -> None:
         from .ps.placement import DEFAULT_SHARD_BYTES
 
         super().__init__(variables_on_host=True, config=config)
@@ -268,7 +273,10 @@ class ParameterServerStrategy(Strategy):
             raise ConfigError(f"`timeout_s` must be a number > 0 or None. Received: timeout_s={timeout_s!r}")
         if sparse not in ("keras", "lazy"):
             raise ConfigError(f"`sparse` must be 'keras' or 'lazy'. Received: sparse={sparse!r}")
+        if nonfinite not in ("apply", "refuse"):
+            raise ConfigError(f"`nonfinite` must be 'apply' or 'refuse'. Received: nonfinite={nonfinite!r}")
         self.shard_bytes, self.sparse, self._timeout_s = shard_bytes, sparse, timeout_s
+        self.nonfinite = nonfinite
         self.cluster_resolver = cluster_resolver
         self._job: Any = None
 
@@ -349,7 +357,7 @@ class ParameterServerStrategy(Strategy):
         from .ps.serve import serve_from_env
 
         serve_from_env(mode="sync" if self.sync else "async", reduce="mean", timeout_s=self.timeout_s,
-                       cluster=self.cluster, config=self._engine_config())
+                       cluster=self.cluster, config=self._engine_config(), nonfinite=self.nonfinite)
 
     def close(self) -> None:
         """Release the ring; the ps connection stays until the process exits (the chief

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -19,12 +20,12 @@ class LocalCluster:
     """``num_ps`` ps servers in this process, on loopback ports."""
 
     def __init__(self, num_ps: int, num_workers: int, *, mode: str = "sync", timeout_s: float = 5.0,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, **server_kwargs: Any) -> None:
         self.secret = secret or secrets.token_hex(16)
         self.addresses = [f"127.0.0.1:{p}" for p in free_ports(num_ps)]
         self.num_workers = num_workers
-        self.servers = [ParameterServer(m, self.addresses, num_workers, self.secret, mode=mode, timeout_s=timeout_s)
-                        for m in range(num_ps)]
+        self.servers = [ParameterServer(m, self.addresses, num_workers, self.secret, mode=mode, timeout_s=timeout_s,
+                                        **server_kwargs) for m in range(num_ps)]
         self.threads = [threading.Thread(target=s.serve, daemon=True) for s in self.servers]
         for t in self.threads:
             t.start()
@@ -36,6 +37,17 @@ class LocalCluster:
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
+
+    def stop_and_join(self) -> None:
+        """Stop every ps and check that each one's serving thread ended."""
+        self.stop()
+        for t in self.threads:
+            t.join(30)  # a hang guard
+        assert not any(t.is_alive() for t in self.threads), "a ps still serves after stop()"
+
+    def snapshots(self) -> list[dict[str, np.ndarray]]:
+        """Every array of every ps (values, slots, apply counts) and its step."""
+        return [dict(s.store.snapshot(), step=np.array(s.store.step)) for s in self.servers]
 
 
 def model_values(seed: int = 0) -> dict[str, np.ndarray]:
@@ -83,3 +95,11 @@ def keras_reference(optimizer_config: dict, num_workers: int, steps: int) -> dic
 
 def max_rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(1e-12, float(np.max(np.abs(b)))))
+
+
+def assert_same_bits(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
+    """Two ``LocalCluster.snapshots()`` hold the same arrays, bit for bit."""
+    assert [sorted(x) for x in a] == [sorted(y) for y in b]
+    for m, (x, y) in enumerate(zip(a, b)):
+        for name in x:
+            assert x[name].dtype == y[name].dtype and x[name].tobytes() == y[name].tobytes(), (m, name)

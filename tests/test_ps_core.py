@@ -261,11 +261,11 @@ def test_wrong_secret_is_refused_and_logged_and_the_job_goes_on(caplog):
     try:
         c0 = cluster.client(0)
         c0.register(model_values(), SGD(0.1))
-        with caplog.at_level(logging.WARNING, logger="hostreduce.ring"):
+        with caplog.at_level(logging.WARNING, logger="hostreduce.ps"):
             with pytest.raises(AuthenticationError, match="ps task 0"):
                 cluster.client(1, secret="not-the-secret")
-        assert any("refused connection" in r.getMessage() and "wrong or missing shared secret" in r.getMessage()
-                   for r in caplog.records)
+        assert any(r.name == "hostreduce.ps" and r.getMessage().startswith("ps task 0: refused a call from")
+                   and "wrong or missing shared secret" in r.getMessage() for r in caplog.records)
         c1 = cluster.client(1)
         c1.wait_ready()
         c1.push({"dense/bias": np.ones(4, np.float32)})
@@ -405,7 +405,7 @@ def test_checkpoint_restores_onto_three_ps_and_a_crash_before_publish_keeps_the_
     two = LocalCluster(2, 1)
     try:
         c = two.client(0)
-        c.register(model_values(), config, shard_bytes=20_000)
+        c.register(model_values(), config, shard_bytes=20_000, model_dir=d)
         c.push(*worker_grads(0, 1), step=1)
         c.save(d, 1)
         saved = c.pull()
@@ -426,7 +426,7 @@ def test_checkpoint_restores_onto_three_ps_and_a_crash_before_publish_keeps_the_
     three = LocalCluster(3, 1)
     try:
         c = three.client(0)
-        c.register(model_values(seed=5), config, shard_bytes=20_000)
+        c.register(model_values(seed=5), config, shard_bytes=20_000, model_dir=d)
         assert c.placement.num_ps == 3 and c.placement["emb"].sharded
         assert c.restore(d) == 1
         got = c.pull()

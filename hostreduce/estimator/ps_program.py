@@ -61,7 +61,7 @@ class PSTrainProgram(ProgramBase):
         self.keys: list[str] = []          # per host_call tensor: the variable's store key
         self.sparse: list[bool] = []       # per host_call tensor: an IndexedSlices (rows)
         self.optimizer_config: dict[str, Any] = {}
-        self.step = 0                      # the ps's step (sync)
+        self.step = 0                      # the ps's step (sync); this worker's (async)
         self._vars: dict[str, Any] = {}
         self._model_dir: str | None = None
         self._keep = 3
@@ -166,7 +166,7 @@ class PSTrainProgram(ProgramBase):
             values = {key: self.caches[key].initial_value_numpy() if key in self.caches else self._vars[key].numpy()
                       for key in self.keys}
             client.register(values, self.optimizer_config, shard_bytes=strategy.shard_bytes, step=global_step,
-                            hold=True)
+                            hold=True, model_dir=model_dir)
             del values
             if global_step and model_dir:
                 self._restore_shards(global_step)
@@ -275,9 +275,7 @@ class PSTrainProgram(ProgramBase):
                 ids = outputs[f"ids{i}"].numpy()
                 slices[key] = (self.caches[key].to_global(ids) if key in self.caches else ids,
                                outputs[f"rows{i}"].numpy())
-        if self.strategy.sync:
-            client.push(grads, slices, step=self.step + 1)
-            self.step += 1
-        else:
-            client.push(grads, slices)
+        # Async too: the step tells the ps how far the job got (the chief saves only there).
+        client.push(grads, slices, step=self.step + 1)
+        self.step += 1
         return float(outputs["loss"])

@@ -3,7 +3,12 @@ all N have arrived, summed in rank order (so the bits do not depend on who came 
 and applied once; every worker's push returns only then, so its next pull sees step S.
 
 A worker that does not push within the wait fails the step for everyone waiting, with
-an error naming the missing ranks; nothing of that step is applied. A ps that stops
+an error naming the missing ranks; nothing of that step is applied. A push the ps
+refuses (``refuse``: its content failed the check) fails its step the same way: every
+worker of the step, those waiting and those still to come, gets the same error, and
+nothing of the step is applied. The apply runs only with every push of the step
+checked; should it still fail partway (out of memory), the shard is no longer at any
+step, so that step and every later push fail with the error rather than train on it. A ps that stops
 serving (the chief ended the job, or was lost) aborts the barrier: the pushes waiting
 on it fail at once instead of holding their handler threads, and so the ps process's
 exit, until their wait ends.
@@ -17,11 +22,9 @@ from typing import Callable
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, HostReduceError, PeerLostError, TensorMismatchError
+from .store import Contribution
 
 __all__ = ["StepBarrier", "Contribution"]
-
-# name -> dense gradient, and name -> (row ids, gradient rows)
-Contribution = tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]
 
 
 class StepBarrier:
@@ -38,27 +41,49 @@ class StepBarrier:
         self._done_step = -1
         self.last_seen: dict[int, float] = {}
 
+    def _enter(self, rank: int, step: int) -> None:
+        """The checks of every arrival (under the lock): the step is the next one, not
+        failed, and ``rank`` has not pushed it yet."""
+        self.last_seen[rank] = time.monotonic()
+        expected = self._current() + 1
+        if step in self._failed or self._aborted is not None:
+            raise _copy(self._failed.get(step) or self._aborted)  # type: ignore[arg-type]
+        if step != expected:
+            raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step}; the ps is at "
+                                      f"step {expected - 1} and expects step {expected}")
+        if rank in self._parts:
+            raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step} twice")
+
+    def refuse(self, rank: int, step: int, error: HostReduceError) -> HostReduceError:
+        """``rank``'s push of ``step`` failed its check (``error``): fail the step for
+        every worker of it, and return the error they all get (of ``error``'s class)."""
+        with self._cond:
+            self._enter(rank, step)
+            failed = type(error)(f"{error}. Step {step} failed on ps task {self.index} for every worker: worker "
+                                 f"{rank}'s push was refused, nothing of step {step} was applied")
+            self._failed[step] = failed
+            self._parts = {}
+            self._cond.notify_all()
+            return _copy(failed)
+
     def arrive(self, rank: int, step: int, part: Contribution, wait_s: float) -> None:
-        """Add ``rank``'s gradients of ``step``; return once the step is applied."""
+        """Add ``rank``'s gradients of ``step`` (checked); return once the step is applied."""
         deadline = time.monotonic() + wait_s
         with self._cond:
-            self.last_seen[rank] = time.monotonic()
-            expected = self._current() + 1
-            if step in self._failed or self._aborted is not None:
-                raise _copy(self._failed.get(step) or self._aborted)
-            if step != expected:
-                raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step}; the ps is at "
-                                          f"step {expected - 1} and expects step {expected}")
-            if rank in self._parts:
-                raise TensorMismatchError(f"ps task {self.index}: worker {rank} pushed step {step} twice")
+            self._enter(rank, step)
             self._parts[rank] = part
             if len(self._parts) == self.num_workers:
                 parts, self._parts = self._parts, {}
                 try:
                     self._apply(step, self._sum(parts))
-                finally:
-                    self._done_step = step
+                except Exception as e:  # noqa: BLE001 - every worker of the step gets it
+                    why = (f"ps task {self.index}: the apply of step {step} failed partway ({type(e).__name__}: "
+                           f"{e}); the shard holds part of step {step}, so this ps refuses every later step")
+                    self._failed[step] = self._aborted = PeerLostError(why)
                     self._cond.notify_all()
+                    raise _copy(self._aborted) from None
+                self._done_step = step
+                self._cond.notify_all()
                 return
             while self._done_step < step and step not in self._failed:
                 left = deadline - time.monotonic()

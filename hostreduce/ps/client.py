@@ -13,6 +13,7 @@ deadline (a hung one); the calls still in flight to the other ps are abandoned
 """
 from __future__ import annotations
 
+import os
 import queue
 import time
 from typing import Any, Mapping, Sequence
@@ -60,7 +61,8 @@ class PSClient:
         for m, addr in enumerate(self.addresses):
             channel = grpc.insecure_channel(addr, options=grpc_options(self.timeout_s))
             self._channels.append(channel)
-            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline)
+            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline,
+                          num_ps=len(self.addresses))
             self._meta.append(((SESSION_KEY, token),))
             self._stubs.append({n: channel.unary_unary(f"/{wire.SERVICE}/{n}") for n in wire.METHODS})
 
@@ -69,7 +71,8 @@ class PSClient:
 
         code, details = e.code(), e.details() or ""
         where = f"ps task {m} at {self.addresses[m]!r}"
-        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT) and ": " in details:
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.PERMISSION_DENIED) and ": " in details:
             kind, _, text = details.partition(": ")
             cls = getattr(errors, kind, None)
             if isinstance(cls, type) and issubclass(cls, errors.HostReduceError):
@@ -127,11 +130,14 @@ class PSClient:
 
     # ------------------------------------------------------------------ set-up
     def register(self, values: Mapping[str, np.ndarray], optimizer: HostOptimizer | dict, *,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, step: int | None = None, hold: bool = False) -> Placement:
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, step: int | None = None, hold: bool = False,
+                 model_dir: str | None = None) -> Placement:
         """Place ``values`` over the ps and initialise them (the chief; a second call
         with the same variables keeps the values the ps hold); ``step``: the sync step
         the ps start from (the job's step when it resumes). ``hold``: other workers'
-        :meth:`wait_ready` waits on until :meth:`open` (the chief restores first)."""
+        :meth:`wait_ready` waits on until :meth:`open` (the chief restores first).
+        ``model_dir``: the directory the ps checkpoints go under; :meth:`save` and
+        :meth:`restore` are refused anywhere else (and everywhere without it)."""
         values = {n: np.asarray(v) for n, v in values.items()}
         config = optimizer.get_config() if isinstance(optimizer, HostOptimizer) else dict(optimizer)
         p = place([VarSpec(n, v.shape, v.dtype.name) for n, v in values.items()], len(self.addresses),
@@ -141,7 +147,8 @@ class PSClient:
             names = p.on(m)
             parts = [p[n].split(values[n].astype(p[n].spec.dtype, copy=False))[m] for n in names]
             requests[m] = wire.pack({"placement": p.to_json(), "optimizer": config, "names": names, "step": step,
-                                     "hold": hold}, parts)
+                                     "hold": hold, "model_dir": None if model_dir is None else os.path.abspath(model_dir)},
+                                    parts)
         self._call("Register", requests, timeout=max(self.timeout_s, 60.0))
         self.placement = p
         return p
@@ -226,7 +233,7 @@ class PSClient:
         p = self._need()
         plan, requests = [], {m: ([], []) for m in range(p.num_ps)}
         for n, raw in ids.items():
-            flat = np.asarray(raw, dtype=np.int64)
+            flat = _ids(n, raw)
             if flat.ndim == 1 and bool(np.all(flat[1:] > flat[:-1])):  # sorted and distinct already (a step's ids)
                 uniq, inverse = flat, None
             else:
@@ -260,17 +267,29 @@ class PSClient:
              rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, *, step: int | None = None) -> None:
         """Send gradients: ``dense`` whole, ``rows`` as ``(ids, values)`` (an
         IndexedSlices' indices and values). Sync mode: ``step`` is required, every ps
-        gets a push (maybe empty) and the call returns when step ``step`` is applied."""
+        gets a push (maybe empty) and the call returns when step ``step`` is applied.
+        Async mode: ``step``, if given, is this worker's step count (every ps gets a
+        push; the chief can save only at a step some push reported).
+
+        A floating-point gradient of another precision than its variable is converted
+        to the variable's dtype here (the dtype TensorFlow's optimizers apply in); any
+        other dtype, and a shape other than the variable's, is refused. The ps check
+        everything again and convert nothing."""
         p = self._need()
         dense, rows = dict(dense or {}), dict(rows or {})
         per_ps: dict[int, tuple[list, list, list, list]] = {m: ([], [], [], []) for m in range(p.num_ps)}
         for n, g in dense.items():
-            for m, part in enumerate(p[n].split(np.asarray(g))):
+            g = _gradient(n, g, p[n].spec.dtype)
+            if g.shape != tuple(p[n].spec.shape):
+                raise errors.TensorMismatchError(f"Worker {self.rank}: the gradient of {n!r} must have shape "
+                                                 f"{tuple(p[n].spec.shape)}. Received: shape={g.shape}")
+            for m, part in enumerate(p[n].split(g)):
                 if p[n].local_rows(m) > 0 or p[n].ps == m:
                     per_ps[m][0].append(n)
                     per_ps[m][1].append(part)
         for n, (ids, vals) in rows.items():
-            uniq, summed = sum_duplicates(ids, np.asarray(vals).reshape((-1,) + p[n].spec.shape[1:]))
+            vals = _gradient(n, vals, p[n].spec.dtype)
+            uniq, summed = sum_duplicates(_ids(n, ids), vals.reshape((-1,) + tuple(p[n].spec.shape[1:])))
             for m, (pos, local) in enumerate(p[n].route(uniq)):
                 if len(pos):
                     per_ps[m][2].append(n)
@@ -343,3 +362,22 @@ class PSClient:
             channel.close()
         self._channels = []
         self._threads.close()
+
+
+def _gradient(name: str, grad: Any, dtype: str) -> np.ndarray:
+    """``grad`` as an array of ``dtype``: floating point converted, anything else refused."""
+    grad = np.asarray(grad)
+    if grad.dtype != dtype:
+        if grad.dtype.kind != "f":
+            raise errors.TensorMismatchError(f"the gradient of {name!r} must be floating point ({dtype}). "
+                                             f"Received: dtype={grad.dtype.name}")
+        grad = grad.astype(dtype)
+    return grad
+
+
+def _ids(name: str, ids: Any) -> np.ndarray:
+    """Row ids as int64; ConfigError for anything but integers (a float id is not rounded)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu" and ids.size:
+        raise ConfigError(f"row ids of {name!r} must be integers. Received: dtype={ids.dtype.name}")
+    return ids.astype(np.int64, copy=False)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["sum_duplicates", "check_rows"]
+__all__ = ["sum_duplicates", "check_ids"]
 
 
 def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -42,8 +42,15 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     return sorted_ids[starts], out
 
 
-def check_rows(name: str, ids: np.ndarray, num_rows: int) -> None:
-    """Raise ConfigError naming ``name`` if an id is outside ``[0, num_rows)``."""
+def check_ids(name: str, ids: np.ndarray, num_rows: int) -> np.ndarray:
+    """``ids`` as int64 if they are a 1-D array of integers in ``[0, num_rows)``; raise
+    ConfigError naming ``name`` otherwise. (Floats are refused, not rounded: a NaN id
+    would become the most negative int64, and 1.5 would silently be row 1.)"""
+    if ids.ndim != 1:
+        raise ConfigError(f"row ids of {name!r} must be a 1-D array. Received: shape={ids.shape}")
+    if ids.dtype.kind not in "iu":
+        raise ConfigError(f"row ids of {name!r} must be integers. Received: dtype={ids.dtype.name}")
     if len(ids) and (ids.min() < 0 or ids.max() >= num_rows):
         bad = ids[(ids < 0) | (ids >= num_rows)][:5].tolist()
         raise ConfigError(f"row ids of {name!r} must be in [0, {num_rows}). Received: ids including {bad}")
+    return ids.astype(np.int64, copy=False)

@@ -4,7 +4,8 @@ the number of workers from ``TF_CONFIG``, the job's secret and timeout from the 
 the job.
 
 The chief's strategy sends a heartbeat, so a ps whose chief died without ending the job
-stops after ``chief_timeout_s`` with an error instead of serving forever.
+stops after ``chief_timeout_s`` with an error instead of serving forever; a ps whose job
+never formed (its chief never registered) stops after ``startup_timeout_s``, naming why.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ log = logging.getLogger("hostreduce.ps")
 
 def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: float | None = None,
                     chief_timeout_s: float | None = None, env: Mapping[str, str] | None = None,
-                    cluster: Any = None, config: Any = None) -> Any:
+                    cluster: Any = None, config: Any = None, nonfinite: str = "apply",
+                    startup_timeout_s: float | None = None) -> Any:
     """The :class:`ParameterServer` of this ``ps`` task (not started).
 
     Args:
@@ -32,6 +34,10 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
         env: where ``TF_CONFIG`` and ``HOSTREDUCE_*`` are read (default ``os.environ``).
         cluster: a ``ClusterSpec`` resolved with roles, instead of ``TF_CONFIG``.
         config: a ``Config`` (secret, timeout), instead of ``HOSTREDUCE_*``.
+        startup_timeout_s: end with a failure when the chief has not registered the
+            variables within this time (default ``HOSTREDUCE_CONNECT_TIMEOUT_S``, 60).
+        nonfinite: a pushed gradient holding NaN or Inf is applied (``"apply"``, as
+            TensorFlow's optimizers do) or refused (``"refuse"``).
     """
     from ..cluster import resolve_cluster
     from ..config import Config
@@ -49,7 +55,9 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
     return ParameterServer(spec.task_index, list(spec.ps_addresses), len(spec.worker_addresses), config.secret,
                            mode=mode, timeout_s=timeout, reduce=reduce,
                            chief_timeout_s=4 * timeout if chief_timeout_s is None else chief_timeout_s,
-                           tune_malloc=config.tune_malloc)
+                           tune_malloc=config.tune_malloc, nonfinite=nonfinite,
+                           startup_timeout_s=config.connect_timeout_s if startup_timeout_s is None
+                           else startup_timeout_s)
 
 
 def serve_from_env(**kwargs: Any) -> None:

@@ -3,8 +3,10 @@
 One generic gRPC service (``wire.SERVICE``) bound to exactly the address the cluster
 gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
 method takes and returns one ``wire`` message and runs only for an authenticated
-worker. Errors travel as the call's status with ``"<ErrorClass>: message"`` as its
-details, and the client raises the same class.
+worker: which handler a call gets is decided from its metadata before its body is read
+(``_Admission``), so a stranger's call is refused unread and holds no thread. Errors
+travel as the call's status with ``"<ErrorClass>: message"`` as its details, and the
+client raises the same class.
 
 ``mode="sync"``: a push carries one worker's gradients of step S for this ps and
 returns when every worker's have been summed and applied (``barrier.py``).
@@ -18,6 +20,26 @@ silent for ``timeout_s`` (every worker sends a heartbeat) or never heard of with
 ``timeout_s`` of the registration is lost. ``Info`` reports them, so the chief can end
 the job only once every worker is done or lost.
 
+What a ps accepts from an authenticated worker (a buggy or compromised one included):
+
+- a push is checked whole before any of it is applied (``ShardStore.check_push``:
+  known names, exact shapes and dtypes, integral 1-D row ids in range, and with
+  ``nonfinite="refuse"`` no NaN or Inf); in sync mode a refused push fails its step for
+  every worker of it with the same error, and nothing of the step is applied;
+- a pull's names and row ids are checked the same way;
+- control calls are the chief's (worker 0): ``Register`` (and so holding the ps),
+  ``Open``, ``Save``, ``Restore``, ``Shutdown``. ``Save`` and ``Restore`` work only under
+  the ``model_dir`` the chief registered (its real path: no ``..`` or symbolic link leads
+  out), and ``Save`` only at a step the ps has reached (sync: its step; async: the
+  highest step a push reported).
+
+``startup_timeout_s``: a job that does not form ends too. Unless the chief has
+registered the variables within that time of this ps's start (or of the chief's first
+login here, if later), serving ends with :attr:`failure` naming why: the chief never
+logged in, or did but never registered (it failed elsewhere: another ps, its model);
+which workers did log in; what was refused meanwhile (another secret, a cluster whose
+worker or ps count differs from this ps's).
+
 ``chief_timeout_s``: once the chief (worker 0) has called, a chief silent for that long
 (its strategy sends a heartbeat) ends the serving with :attr:`failure` set, so a ps of
 a job whose chief was killed does not serve forever. The chief's ``Shutdown`` says
@@ -26,6 +48,7 @@ whether the job succeeded (:attr:`failure` names it when not).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent import futures
@@ -33,13 +56,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ClusterError, ConfigError, HostReduceError, TensorMismatchError
+from ..errors import ClusterError, ConfigError, HostReduceError, RoleError, TensorMismatchError
 from ..transport.grpc_options import grpc_options
 from . import checkpoint, wire
-from .barrier import Contribution, StepBarrier
+from .barrier import StepBarrier
 from .handshake import Gate
 from .placement import Placement
-from .store import ShardStore
+from .store import Contribution, ShardStore
 
 __all__ = ["ParameterServer"]
 
@@ -49,11 +72,14 @@ log = logging.getLogger("hostreduce.ps")
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
-                 chief_timeout_s: float | None = None, tune_malloc: bool = True) -> None:
+                 chief_timeout_s: float | None = None, tune_malloc: bool = True, nonfinite: str = "apply",
+                 startup_timeout_s: float | None = None) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
             raise ConfigError(f"`reduce` must be 'sum' or 'mean'. Received: reduce={reduce!r}")
+        if nonfinite not in ("apply", "refuse"):
+            raise ConfigError(f"`nonfinite` must be 'apply' or 'refuse'. Received: nonfinite={nonfinite!r}")
         if not isinstance(index, int) or not 0 <= index < len(ps_addresses):
             raise ClusterError(f"`index` must be in [0, {len(ps_addresses)}). Received: index={index!r}")
         if not isinstance(num_workers, int) or num_workers < 1:
@@ -75,8 +101,14 @@ class ParameterServer:
         self._stopped = threading.Event()
         self._server: Any = None
         self.chief_timeout_s = chief_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._started_at = time.monotonic()
         self.tune_malloc = tune_malloc     # Config.tune_malloc, as the ring's processes
         self.failure: str | None = None   # why serving ended other than by a successful job's Shutdown
+        # NaN/Inf gradients: applied, as TensorFlow's optimizers do, or refused.
+        self.refuse_nonfinite = nonfinite == "refuse"
+        self.model_dir: str | None = None  # the real path Save and Restore stay under (the chief's Register)
+        self._reached = 0                  # async: the highest step a checked push reported
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -87,14 +119,17 @@ class ParameterServer:
 
             tune_malloc()
         addr = self.addresses[self.index]
+        # Strangers hold no thread (their calls are answered or refused at once, unread),
+        # so the pool is the workers': a few calls each at once (a step's pull and push,
+        # a heartbeat, Done), the chief's control calls, and room for handshakes.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
                                    options=grpc_options(self.timeout_s))
-        handlers = {"Hello": grpc.unary_unary_rpc_method_handler(self.gate.hello),
-                    "Login": grpc.unary_unary_rpc_method_handler(self.gate.login)}
+        handlers = {"Hello": grpc.stream_unary_rpc_method_handler(self.gate.hello),
+                    "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
         for name in wire.METHODS:
             handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+        self._server.add_generic_rpc_handlers((_Admission(self.gate, handlers),))
         try:
             bound = self._server.add_insecure_port(addr)
         except RuntimeError:
@@ -103,6 +138,7 @@ class ParameterServer:
             raise ClusterError(f"ps task {self.index} cannot listen on {addr!r}: the port is taken or the address "
                                "is not local")
         self._server.start()
+        self._started_at = time.monotonic()
         threading.Thread(target=self._watch, daemon=True, name=f"hostreduce-ps{self.index}-watch").start()
         log.info("ps task %d serving on %s (%s, %d workers)", self.index, addr, self.mode, self.num_workers)
 
@@ -115,6 +151,7 @@ class ParameterServer:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.gate.refusals.flush(force=True)
         # Pushes still waiting for a step would hold their threads (and the process's
         # exit) until their wait ends; no worker will complete that step now.
         self.barrier.abort(self.failure or "the chief ended the job")
@@ -122,9 +159,18 @@ class ParameterServer:
             self._server.stop(grace=1.0).wait()
 
     def _watch(self) -> None:
-        period = max(0.1, min(self.timeout_s, self.chief_timeout_s or self.timeout_s) / 4)
+        period = max(0.1, min(self.timeout_s, self.chief_timeout_s or self.timeout_s,
+                              self.startup_timeout_s or self.timeout_s) / 4)
         while not self._stopped.wait(period):
             now = time.monotonic()
+            self.gate.refusals.flush()
+            if self._registered_at is None and self.startup_timeout_s:
+                since = max(self._started_at, self.gate.logins().get(0, self._started_at))
+                if now - since > self.startup_timeout_s:
+                    self.failure = self._startup_failure(now)
+                    log.error("%s; this ps stops serving", self.failure)
+                    self._stopped.set()
+                    return
             chief = self._seen.get(0)
             if self.chief_timeout_s and chief is not None and now - chief > self.chief_timeout_s:
                 self.failure = (f"ps task {self.index}: the chief (worker 0) has not called for {now - chief:.1f} s "
@@ -143,6 +189,24 @@ class ParameterServer:
                                 "has not called" if rank in self._seen else "never called", now - seen,
                                 self.timeout_s, "; async training goes on without it" if self.mode == "async" else "")
 
+    def _startup_failure(self, now: float) -> str:
+        logins = self.gate.logins()
+        if 0 in logins:
+            text = (f"the chief (worker 0) logged in {now - logins[0]:.1f} s ago but never registered the variables "
+                    "(it failed before: with another ps, or building its model)")
+        else:
+            text = "the chief (worker 0) never logged in to this ps"
+        others = sorted(r for r in logins if r)
+        text += f"; worker(s) {others} logged in" if others else "; no other worker logged in"
+        refused = self.gate.refusals.by_claim()
+        if refused:
+            text += "; refused meanwhile: " + "; ".join(
+                f"{n} connection(s) that claimed to be worker {r} ({why})" for r, (n, why) in sorted(refused.items()))
+        elif self.gate.refusals.count:
+            text += f"; refused meanwhile {self.gate.refusals.count} connection(s) that failed the handshake"
+        return (f"ps task {self.index}: the job did not form within startup_timeout_s={self.startup_timeout_s:g}: "
+                + text)
+
     # ------------------------------------------------------------------ dispatch
     def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[bytes, Any], bytes]:
         def handler(request: bytes, context: Any) -> bytes:
@@ -159,6 +223,8 @@ class ParameterServer:
                 reply = wire.pack(*fn(rank, header, arrays, context))
             except wire.WireError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ConfigError: ps task {self.index}: {e}")
+            except RoleError as e:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{type(e).__name__}: {e}")
             except HostReduceError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}")
             except (KeyError, ValueError, TypeError) as e:
@@ -176,16 +242,32 @@ class ParameterServer:
                             "failed": {str(r): e for r, e in self._finished.items() if e is not None},
                             "lost": sorted(self._lost)}}, []
 
+    def _chief(self, rank: int, call: str) -> None:
+        if rank != 0:
+            raise RoleError(f"ps task {self.index}: only the chief (worker 0) may call {call}. Received: {call} "
+                            f"from worker {rank}")
+
     def _register(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self._chief(rank, "Register")
         placement = Placement.from_json(h["placement"])
         if placement.num_ps != len(self.addresses):
             raise ClusterError(f"registration placed variables over {placement.num_ps} ps; this job has "
                                f"{len(self.addresses)}")
-        names = list(h["names"])
+        names = _names(h, "names")
         if len(names) != len(a):
             raise TensorMismatchError(f"Register: {len(names)} names for {len(a)} arrays")
+        model_dir = h.get("model_dir")
+        if model_dir is not None:
+            if not isinstance(model_dir, str) or not model_dir:
+                raise ConfigError(f"`model_dir` must be a non-empty path. Received: model_dir={model_dir!r}")
+            model_dir = os.path.realpath(model_dir)
+            if self.model_dir is not None and model_dir != self.model_dir:
+                raise RoleError(f"ps task {self.index} serves model_dir {self.model_dir!r}; a registration named "
+                                f"another. Received: model_dir={model_dir!r}")
         new = self.store.register(placement, h["optimizer"], dict(zip(names, a)))
-        if new and isinstance(h.get("step"), int):
+        if model_dir is not None:
+            self.model_dir = model_dir
+        if new and type(h.get("step")) is int and h["step"] >= 0:
             self.store.step = h["step"]  # a job resumed from a checkpoint without ps shards
         self._opened = not h.get("hold", False)
         if self._registered_at is None:
@@ -193,6 +275,7 @@ class ParameterServer:
         return {"new": new}, []
 
     def _open(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self._chief(rank, "Open")
         self._opened = True
         return {}, []
 
@@ -206,66 +289,144 @@ class ParameterServer:
         return {}, []
 
     def _pulldense(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        return {}, self.store.pull(list(h["names"]))
+        return {}, self.store.pull(_names(h, "names", distinct=False))
 
     def _pullrows(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         """The rows of ``names`` at the ids in the arrays, then the values of the dense
         variables named ``dense`` (a training step's pull, one call)."""
-        rows = [self.store.pull_rows(n, ids) for n, ids in zip(h["names"], a, strict=True)]
-        return {}, rows + self.store.pull(list(h.get("dense", ())))
+        names, dense = _names(h, "names", distinct=False), _names(h, "dense", required=False, distinct=False)
+        if len(names) != len(a):
+            raise TensorMismatchError(f"PullRows: {len(names)} names for {len(a)} id arrays")
+        rows = [self.store.pull_rows(n, ids) for n, ids in zip(names, a)]
+        return {}, rows + self.store.pull(dense)
 
     def _push(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        dense_names, row_names = list(h["dense"]), list(h["rows"])
+        step = h.get("step")
+        if self.mode == "async":
+            part = self._check_push(h, a)
+            self._apply_step(None, part)
+            if type(step) is int and step > self._reached:
+                self._reached = step
+            return {}, []
+        if type(step) is not int:
+            raise ConfigError(f"`step` must be an integer in sync mode. Received: step={step!r}")
+        try:
+            part = self._check_push(h, a)
+        except HostReduceError as e:
+            raise self.barrier.refuse(rank, step, e) from None
+        left = ctx.time_remaining()
+        wait = self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
+        self.barrier.arrive(rank, step, part, wait)
+        return {"step": self.store.step}, []
+
+    def _check_push(self, h: dict, a: list) -> Contribution:
+        """The push in ``h`` and ``a``, checked whole (``ShardStore.check_push``)."""
+        try:
+            dense_names, row_names = _names(h, "dense"), _names(h, "rows")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"ps task {self.index}: malformed Push header ({type(e).__name__}: {e})") from None
+        both = set(dense_names) & set(row_names)
+        if both:
+            raise ConfigError(f"ps task {self.index}: a push names {sorted(both)[:5]} both as dense and as rows")
         if len(a) != len(dense_names) + 2 * len(row_names):
             raise TensorMismatchError(f"Push: {len(a)} arrays for {len(dense_names)} dense and {len(row_names)} rows")
         dense = dict(zip(dense_names, a[:len(dense_names)]))
         rest = a[len(dense_names):]
         rows = {n: (rest[2 * i], rest[2 * i + 1]) for i, n in enumerate(row_names)}
-        if self.mode == "async":
-            self._apply_step(None, (dense, rows))
-            return {}, []
-        step = h.get("step")
-        if not isinstance(step, int):
-            raise ConfigError(f"`step` must be an integer in sync mode. Received: step={step!r}")
-        left = ctx.time_remaining()
-        wait = self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
-        self.barrier.arrive(rank, step, (dense, rows), wait)
-        return {"step": self.store.step}, []
+        return self.store.check_push(dense, rows, finite=self.refuse_nonfinite)
 
     def _apply_step(self, step: int | None, part: Contribution) -> None:
-        dense, rows = part
-        for name, grad in dense.items():
-            self.store.apply_dense(name, grad)
-        for name, (ids, vals) in rows.items():
-            self.store.apply_rows(name, ids, vals)
+        self.store.apply(part)
         if step is not None:
             self.store.step = step
 
+    def _checkpoint_dir(self, h: dict, call: str) -> str:
+        """The directory ``h`` names, if it is the registered ``model_dir`` or inside it."""
+        directory = h.get("dir")
+        if not isinstance(directory, str) or not directory:
+            raise ConfigError(f"`dir` of {call} must be a non-empty path. Received: dir={directory!r}")
+        if self.model_dir is None:
+            raise RoleError(f"ps task {self.index}: {call} needs the chief to register a model_dir first (saves "
+                            f"and restores stay under it). Received: {call} of {directory!r}")
+        real = os.path.realpath(directory)
+        if os.path.commonpath([real, self.model_dir]) != self.model_dir:
+            raise RoleError(f"ps task {self.index}: {call} only under model_dir {self.model_dir!r}. Received: "
+                            f"dir={directory!r} (real path {real!r})")
+        return real
+
     def _save(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        step = int(h["step"])
-        if self.mode == "sync" and step != self.store.step:
-            raise TensorMismatchError(f"ps task {self.index} is at step {self.store.step}; asked to save step {step}")
+        self._chief(rank, "Save")
+        directory = self._checkpoint_dir(h, "Save")
+        step = h.get("step")
+        reached = self.store.step if self.mode == "sync" else max(self.store.step, self._reached)
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"`step` of Save must be an integer >= 0. Received: step={step!r}")
+        if (self.mode == "sync" and step != reached) or step > reached:
+            raise TensorMismatchError(f"ps task {self.index} is at step {reached}; asked to save step {step}")
         p = self.store.placement
         if p is None:
             raise ConfigError(f"ps task {self.index}: nothing to save, no variables are registered")
-        path = checkpoint.write_shard(h["dir"], step, self.index, p.num_ps, self.store.snapshot())
+        path = checkpoint.write_shard(directory, step, self.index, p.num_ps, self.store.snapshot())
         return {"path": path}, []
 
     def _restore(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        index = checkpoint.read_index(h["dir"])
+        self._chief(rank, "Restore")
+        directory = self._checkpoint_dir(h, "Restore")
+        index = checkpoint.read_index(directory)
         p = self.store.placement
         if index is None or p is None:
-            raise ConfigError(f"ps task {self.index}: no ps checkpoint in {h['dir']!r}" if index is None
+            raise ConfigError(f"ps task {self.index}: no ps checkpoint in {directory!r}" if index is None
                               else f"ps task {self.index}: register the variables before restoring")
         slots = tuple(self.store.optimizer.slots)  # type: ignore[union-attr]
-        arrays = checkpoint.load_part(h["dir"], index, p, self.index, slots)
+        arrays = checkpoint.load_part(directory, index, p, self.index, slots)
         self.store.load(arrays, int(index["step"]))
         return {"step": self.store.step}, []
 
     def _shutdown(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        if rank != 0:
-            raise ConfigError(f"only the chief (worker 0) ends the job. Received: Shutdown from worker {rank}")
+        self._chief(rank, "Shutdown")
         if h.get("failure"):
             self.failure = f"ps task {self.index}: the chief ended the job after a failure: {h['failure']}"
         threading.Timer(0.2, self._stopped.set).start()  # after this reply is on its way
         return {}, []
+
+
+def _names(h: dict, key: str, *, required: bool = True, distinct: bool = True) -> list[str]:
+    """The list of variable names at ``h[key]``, each once if ``distinct`` (absent: []
+    unless ``required``)."""
+    if key not in h and not required:
+        return []
+    names = h[key]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"`{key}` must be a list of variable names. Received: {key}={str(names)[:80]}")
+    if distinct and len(set(names)) != len(names):
+        raise ConfigError(f"`{key}` must name each variable once. Received: {key}={str(names)[:80]}")
+    return names
+
+
+class _Admission:
+    """Which handler a call gets, decided from its method and metadata alone, before
+    gRPC reads its body or gives it a thread (``grpc.GenericRpcHandler``'s ``service``
+    runs on the server's polling thread): an unknown method is refused there (gRPC
+    answers UNIMPLEMENTED), a call without a valid session token gets a handler that
+    refuses it without reading its body, and ``Hello``/``Login`` read only metadata."""
+
+    def __init__(self, gate: Gate, handlers: dict[str, Any]) -> None:
+        import grpc
+
+        self._gate = gate
+        self._prefix = f"/{wire.SERVICE}/"
+        self._handlers = handlers
+        self._refuse = grpc.stream_unary_rpc_method_handler(gate.no_session)
+        self._open = {"Hello", "Login"}
+
+    def service(self, details: Any) -> Any:
+        method = details.method if isinstance(details.method, str) else ""
+        name = method[len(self._prefix):] if method.startswith(self._prefix) else None
+        handler = self._handlers.get(name) if name else None
+        if handler is None:
+            self._gate.refusals.refuse("an unknown peer", None, f"unknown method {method[:80]!r}", set(),
+                                       kind="unknown method")
+            return None
+        if name in self._open or self._gate.session(details.invocation_metadata) is not None:
+            return handler
+        return self._refuse

@@ -1,6 +1,12 @@
 """One ps task's part of the model: its variables (whole or its rows), their optimizer
 slots beside them, and the applies, each variable under its own lock so that pulls and
-pushes of different variables run at once (numpy releases the GIL in the kernels)."""
+pushes of different variables run at once (numpy releases the GIL in the kernels).
+
+A push is checked whole (:meth:`ShardStore.check_push`) before any of it is applied
+(:meth:`ShardStore.apply`): a worker's message is trusted only as far as its sender
+authenticated, and a bad part found halfway through an apply would leave the shard
+half-updated. After the check nothing in an apply can fail on the push's content.
+"""
 from __future__ import annotations
 
 import threading
@@ -9,12 +15,15 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, TensorMismatchError
+from ..errors import ConfigError, NonFiniteGradientError, TensorMismatchError
 from .optimizers import HostOptimizer, from_config
 from .placement import Placement
-from .rows import check_rows, sum_duplicates
+from .rows import check_ids, sum_duplicates
 
-__all__ = ["ShardStore", "ITERATIONS"]
+__all__ = ["ShardStore", "ITERATIONS", "Contribution"]
+
+# name -> dense gradient, and name -> (row ids, gradient rows): one push, or a sync step's sum
+Contribution = tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]
 
 ITERATIONS = "@iterations"  # a variable's apply count, saved beside its slots
 
@@ -82,30 +91,60 @@ class ShardStore:
 
     def pull_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         var = self._var(name)
-        check_rows(name, rows, var.value.shape[0])
+        rows = check_ids(name, rows, var.value.shape[0])
         with var.lock:
             return np.take(var.value, rows, axis=0)  # a copy, several times faster than value[rows]
 
     # ------------------------------------------------------------------ applies
-    def apply_dense(self, name: str, grad: np.ndarray) -> None:
-        var = self._var(name)
-        if grad.shape != var.value.shape:
-            raise TensorMismatchError(f"gradient of {name!r} must have shape {var.value.shape} on ps task "
-                                      f"{self.index}. Received: shape={grad.shape}")
-        with var.lock:
-            var.iterations += 1
-            self.optimizer.apply_dense(var.value, var.slots, grad, var.iterations)  # type: ignore[union-attr]
+    def check_push(self, dense: Mapping[str, np.ndarray], rows: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
+                   finite: bool = False) -> Contribution:
+        """The push, checked whole: every name held here, each dense gradient of exactly
+        its variable's shape and dtype (no broadcasting, no cast), row ids a 1-D integer
+        array in range with one gradient row of the variable's row shape and dtype each,
+        and (``finite``) no NaN or Inf. Raises before anything changed; returns the push
+        with its ids as int64."""
+        for name, grad in dense.items():
+            value = self._var(name).value
+            if grad.shape != value.shape or grad.dtype != value.dtype:
+                raise TensorMismatchError(
+                    f"gradient of {name!r} must have shape {value.shape} and dtype {value.dtype.name} on ps task "
+                    f"{self.index}. Received: shape={grad.shape}, dtype={grad.dtype.name}")
+        out_rows = {}
+        for name, (ids, grads) in rows.items():
+            value = self._var(name).value
+            if value.ndim == 0:
+                raise TensorMismatchError(f"gradient rows of {name!r}: the variable is a scalar, it has no rows")
+            ids = check_ids(name, ids, value.shape[0])
+            if grads.shape != ids.shape + value.shape[1:] or grads.dtype != value.dtype:
+                raise TensorMismatchError(
+                    f"gradient rows of {name!r} must have shape ({len(ids)},) + {value.shape[1:]} (one row per id) and "
+                    f"dtype {value.dtype.name} on ps task {self.index}. Received: shape={grads.shape}, "
+                    f"dtype={grads.dtype.name}")
+            out_rows[name] = (ids, grads)
+        if finite:
+            for name, grad in list(dense.items()) + [(n, g) for n, (_, g) in out_rows.items()]:
+                if not np.isfinite(grad).all():
+                    raise NonFiniteGradientError(
+                        f"the gradient of {name!r} pushed to ps task {self.index} holds NaN or Inf, and this ps "
+                        "refuses them (nonfinite='refuse'). Received: "
+                        f"{int(np.isnan(grad).sum())} NaN, {int(np.isinf(grad).sum())} Inf")
+        return dict(dense), out_rows
 
-    def apply_rows(self, name: str, rows: np.ndarray, grads: np.ndarray) -> None:
-        var = self._var(name)
-        check_rows(name, rows, var.value.shape[0])
-        if grads.shape[1:] != var.value.shape[1:]:
-            raise TensorMismatchError(f"gradient rows of {name!r} must have shape (n,) + {var.value.shape[1:]}. "
-                                      f"Received: shape={grads.shape}")
-        rows, grads = sum_duplicates(rows, grads)
-        with var.lock:
-            var.iterations += 1
-            self.optimizer.apply_rows(var.value, var.slots, rows, grads, var.iterations)  # type: ignore[union-attr]
+    def apply(self, part: Contribution) -> None:
+        """Apply a push (or a sync step's sum) that :meth:`check_push` accepted."""
+        dense, rows = part
+        optimizer = self.optimizer
+        for name, grad in dense.items():
+            var = self.vars[name]
+            with var.lock:
+                var.iterations += 1
+                optimizer.apply_dense(var.value, var.slots, grad, var.iterations)  # type: ignore[union-attr]
+        for name, (ids, grads) in rows.items():
+            var = self.vars[name]
+            ids, grads = sum_duplicates(ids, grads)
+            with var.lock:
+                var.iterations += 1
+                optimizer.apply_rows(var.value, var.slots, ids, grads, var.iterations)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self) -> dict[str, np.ndarray]:

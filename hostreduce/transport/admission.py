@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import threading
+import time
 from typing import Any, Callable
 
 from ..errors import AuthenticationError, ClusterError
@@ -109,27 +110,74 @@ def check_proof(meta: dict[str, str], secret: str, nonces: auth.NonceBook, rank:
 
 
 class Refusals:
-    """The connections this rank refused, by the rank they claimed to be."""
+    """The connections this rank refused, by the rank they claimed to be. ``name``: how
+    the log names this end (default ``rank <rank>``); ``logger``: where it logs.
 
-    def __init__(self, rank: int) -> None:
+    By default the first refusals are logged one by one, then every hundredth with the
+    count. ``every_s``: each class of refusal (``refuse(kind=...)``) is logged one by one
+    for its first ones; later ones are counted and :meth:`flush` logs the counts of each
+    class at most every ``every_s`` seconds, so that no refusal goes unreported and no
+    flood fills the log."""
+
+    def __init__(self, rank: int, *, name: str | None = None, logger: logging.Logger | None = None,
+                 every_s: float | None = None, max_claims: int = 1024) -> None:
         self._rank = rank
+        self._name = name or f"rank {rank}"
+        self._log = logger or log
+        self._every_s = every_s
+        self._max_claims = max_claims
         self._lock = threading.Lock()
         self.count = 0
+        self.kinds: dict[str, int] = {}      # class of refusal -> how many (every_s mode)
+        self._unlogged: dict[str, int] = {}  # class -> refusals counted since the last flush
+        self._flushed = time.monotonic()
         self._claimed: dict[int, tuple[int, str]] = {}  # claimed rank -> (count, last reason)
 
-    def refuse(self, peer: str, claimed: int | None, why: str, connected: set[int]) -> None:
+    def refuse(self, peer: str, claimed: int | None, why: str, connected: set[int], *, kind: str | None = None
+               ) -> None:
         """Log a refused connection from ``peer`` (rate-limited) and remember it, unless
         the rank it claimed is already ``connected``."""
         with self._lock:
             self.count += 1
             n = self.count
-            if claimed is not None and claimed not in connected:
+            if claimed is not None and claimed not in connected and (
+                    claimed in self._claimed or len(self._claimed) < self._max_claims):
                 times = self._claimed.get(claimed, (0, ""))[0] + 1
                 self._claimed[claimed] = (times, f"{why}, last from {peer}")
+            if self._every_s is not None:
+                kind = kind or why
+                seen = self.kinds[kind] = self.kinds.get(kind, 0) + 1
+                if seen > _LOG_FIRST:
+                    self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
+                    return
+        if self._every_s is not None:
+            more = (f" (the {_LOG_FIRST}th refusal of this kind: later ones are counted and logged every "
+                    f"{self._every_s:g} s)" if seen == _LOG_FIRST else "")
+            self._log.warning("%s: refused a call from %s%s: %s%s", self._name, peer,
+                              "" if claimed is None else f" (claimed rank {claimed})", why, more)
+            return
         if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
             more = f" ({n} refused so far)" if n > _LOG_FIRST else ""
-            log.warning("rank %d: refused connection from %s%s: %s%s", self._rank, peer,
-                        "" if claimed is None else f" (claimed rank {claimed})", why, more)
+            self._log.warning("%s: refused connection from %s%s: %s%s", self._name, peer,
+                              "" if claimed is None else f" (claimed rank {claimed})", why, more)
+
+    def flush(self, force: bool = False) -> None:
+        """Log the refusals counted but not logged yet, by class (``every_s`` mode), if
+        ``every_s`` has passed since the last time (or ``force``)."""
+        with self._lock:
+            now = time.monotonic()
+            if not self._unlogged or (not force and now - self._flushed < (self._every_s or 0.0)):
+                return
+            counts, self._unlogged, since, self._flushed = self._unlogged, {}, self._flushed, now
+            totals = dict(self.kinds)
+        self._log.warning("%s: refused in the last %.0f s: %s", self._name, now - since,
+                          "; ".join(f"{n} more of {kind!r} ({totals[kind]} in all)" for kind, n in counts.items()))
+
+    def by_claim(self) -> dict[int, tuple[int, str]]:
+        """Claimed rank -> (how many refusals, the last one's reason and peer), for the
+        ranks that were not connected when refused."""
+        with self._lock:
+            return dict(self._claimed)
 
     def timeout_error(self, text: str, missing: list[int]) -> ClusterError | AuthenticationError:
         """The error for a start-up that timed out waiting for ``missing`` (``text``

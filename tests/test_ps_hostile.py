@@ -1,0 +1,200 @@
+"""A parameter server facing processes without the job's secret, on 127.0.0.1: calls
+held open with their request never sent (on every method, the handshake's included),
+unknown methods, random bytes and HTTP/2 garbage, and large unauthenticated messages.
+
+None of it holds a handler thread or makes the ps read a body: a sync job running
+meanwhile ends bit for bit as an undisturbed one, the chief's Shutdown ends every ps,
+each stranger's call is refused at once and logged by class (as ``ps task K``), and a
+ps process's peak resident memory stays within a bound while it refuses 4 x 64 MiB
+unauthenticated pushes."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from hostreduce.processes import free_ports
+from hostreduce.ps import Adam, wire
+from hostreduce.ps.client import PSClient
+from tests.ps_helpers import LocalCluster, model_values, worker_grads
+
+pytestmark = pytest.mark.timeout(240)
+
+PS_SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "serve_ps.py"
+HELD_PER_PS = 200         # calls whose request never arrives, each on a connection of its own
+GARBAGE_PER_PS = 1000     # connections sending random bytes or an HTTP/2 preface and junk
+STEPS = 4
+
+
+def _sync_job(cluster: LocalCluster) -> dict[str, bytes]:
+    """Two workers train STEPS sync steps; the final values' bytes. The chief then ends
+    the job."""
+    clients = [cluster.client(r, timeout_s=10.0) for r in range(2)]
+    clients[0].register(model_values(), Adam(0.01), shard_bytes=20_000)
+    clients[1].wait_ready()
+    errors: list[BaseException] = []
+
+    def train(rank: int) -> None:
+        try:
+            for step in range(1, STEPS + 1):
+                dense, rows = worker_grads(rank, step)
+                clients[rank].pull_step({"emb": rows["emb"][0]}, ["dense/kernel", "dense/bias"])
+                clients[rank].push(dense, rows, step=step)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    out = {n: v.tobytes() for n, v in clients[1].pull().items()}
+    clients[0].shutdown()
+    for c in clients:
+        c.close()
+    return out
+
+
+class _Strangers:
+    """Calls without credentials held open on every ps, and garbage sent to it."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.release = threading.Event()
+        self.channels: list[Any] = []
+        self.calls: list[tuple[str, Any]] = []
+        self.addresses = addresses
+
+    def _never(self):
+        self.release.wait(120)  # the request never arrives while the job runs
+        return
+        yield
+
+    def hold(self, per_ps: int) -> None:
+        methods = ["Push", "PullRows", "Shutdown", "Hello", "Login", "Register"]
+        for addr in self.addresses:
+            for i in range(per_ps):
+                # A connection per call (no subchannel shared between channels).
+                channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+                self.channels.append(channel)
+                method = f"/{wire.SERVICE}/{methods[i % len(methods)]}"
+                metadata = (("hr-session", secrets.token_hex(16)),) if i % 2 else ()
+                call = channel.stream_unary(method).future(self._never(), timeout=120, metadata=metadata)
+                self.calls.append((method, call))
+
+    def garbage(self, per_ps: int) -> None:
+        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        for addr in self.addresses:
+            host, port = addr.rsplit(":", 1)
+            for i in range(per_ps):
+                with socket.create_connection((host, int(port)), timeout=10) as s:
+                    s.sendall((preface if i % 2 else b"") + os.urandom(512))
+        for addr in self.addresses:
+            with grpc.insecure_channel(addr) as channel:
+                for method in ("/hostreduce.ParameterServer/Nope", "/grpc.health.v1.Health/Check", "/x"):
+                    for _ in range(per_ps // 30):
+                        with pytest.raises(grpc.RpcError) as info:
+                            channel.unary_unary(method)(b"junk", timeout=10)
+                        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def close(self) -> dict[str, int]:
+        """Let the held requests go; how each held call ended, by status."""
+        self.release.set()
+        ended: dict[str, int] = {}
+        for method, call in self.calls:
+            code = call.exception(60).code()  # a hang guard
+            ended[f"{method.rsplit('/', 1)[1]} {code.name}"] = ended.get(f"{method.rsplit('/', 1)[1]} {code.name}",
+                                                                           0) + 1
+        for channel in self.channels:
+            channel.close()
+        return ended
+
+
+def test_held_calls_garbage_and_unknown_methods_leave_a_sync_job_undisturbed(caplog):
+    undisturbed = LocalCluster(2, 2, timeout_s=10.0)
+    try:
+        expected = _sync_job(undisturbed)
+    finally:
+        undisturbed.stop_and_join()
+    cluster = LocalCluster(2, 2, timeout_s=10.0)
+    strangers = _Strangers(cluster.addresses)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hostreduce.ps"):
+            strangers.hold(HELD_PER_PS)
+            strangers.garbage(GARBAGE_PER_PS)
+            got = _sync_job(cluster)
+            for t in cluster.threads:  # the chief's Shutdown ended every ps
+                t.join(30)
+            assert not any(t.is_alive() for t in cluster.threads), "a ps did not take the chief's Shutdown"
+            ended = strangers.close()
+    finally:
+        strangers.release.set()
+        cluster.stop_and_join()
+    assert got == expected
+    # Every held call was refused at once, without its request: none was left to time out.
+    assert set(ended) == {"Push UNAUTHENTICATED", "PullRows UNAUTHENTICATED", "Shutdown UNAUTHENTICATED",
+                          "Register UNAUTHENTICATED", "Hello INVALID_ARGUMENT", "Login UNAUTHENTICATED"}, ended
+    assert sum(ended.values()) == 2 * HELD_PER_PS
+    said = [r.getMessage() for r in caplog.records if r.name == "hostreduce.ps"]
+    for kind in ("call without a valid session", "malformed handshake", "invalid rank", "unknown method"):
+        assert any(m.startswith("ps task 0: refused a call from") and kind in m for m in said), (kind, said[:20])
+    # Past the first ones of a kind, the refusals are counted and logged with their count.
+    assert any(m.startswith("ps task 0: refused in the last") and "more of 'unknown method'" in m for m in said), said
+    assert not any("rank 2" in m or "rank 3" in m for m in said)
+
+
+def _vm(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
+def test_large_unauthenticated_messages_are_never_read(tmp_path):
+    """A ps process refuses 4 concurrent 64 MiB pushes without a session: its peak
+    resident memory grows by less than 64 MiB (it read none of them), the job then
+    trains and ends, and the ps exits 0."""
+    ps_addr, worker_addr = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    secret = secrets.token_hex(8)
+    env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"chief": [worker_addr], "ps": [ps_addr]},
+                                                 "task": {"type": "ps", "index": 0}}),
+               HOSTREDUCE_SECRET=secret, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    proc = subprocess.Popen([sys.executable, str(PS_SCRIPT)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        chief = PSClient([ps_addr], 0, 1, secret, timeout_s=10.0, connect_timeout_s=60.0)
+        chief.register(model_values(), Adam(0.01), shard_bytes=20_000)
+        chief.push(*worker_grads(0, 1), step=1)
+        before = _vm(proc.pid, "VmHWM")
+        body = bytes(64 << 20)
+        channel = grpc.insecure_channel(ps_addr, options=[("grpc.max_send_message_length", -1)])
+        calls = [channel.unary_unary(f"/{wire.SERVICE}/Push").future(body, timeout=60) for _ in range(4)]
+        codes = [c.exception(60).code() for c in calls]
+        channel.close()
+        del body
+        peak = _vm(proc.pid, "VmHWM")
+        chief.push(*worker_grads(0, 2), step=2)
+        assert chief.info()["step"] == 2
+        chief.shutdown()
+        chief.close()
+        out, _ = proc.communicate(timeout=60)  # a hang guard
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4, codes
+    print(f"ps peak resident memory {before / 2**20:.0f} MiB before, {peak / 2**20:.0f} MiB after")
+    assert peak - before < 64 << 20, (before, peak)
+    assert proc.returncode == 0, out
