@@ -1,6 +1,6 @@
 """A ps task: serves its shard of the variables over gRPC until the chief ends the job.
 
-One generic gRPC service (``wire.SERVICE``) bound to exactly the address the cluster
+One generic gRPC service (``SERVICE``) bound to exactly the address the cluster
 gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
 method takes and returns one ``wire`` message and runs only for an authenticated
 worker: which handler a call gets is decided from its metadata before its body is read
@@ -58,7 +58,8 @@ import numpy as np
 
 from ..errors import ClusterError, ConfigError, HostReduceError, RoleError, TensorMismatchError
 from ..transport.grpc_options import grpc_options
-from . import checkpoint, wire
+from .checkpoint import load_part, read_index, write_shard
+from .wire import METHODS, SERVICE, WireError, pack, unpack
 from .barrier import StepBarrier
 from .handshake import Gate
 from .placement import Placement
@@ -127,7 +128,7 @@ class ParameterServer:
                                    options=grpc_options(self.timeout_s))
         handlers = {"Hello": grpc.stream_unary_rpc_method_handler(self.gate.hello),
                     "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
-        for name in wire.METHODS:
+        for name in METHODS:
             handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
         self._server.add_generic_rpc_handlers((_Admission(self.gate, handlers),))
         try:
@@ -219,9 +220,9 @@ class ParameterServer:
                 log.warning("ps task %d: worker %d is back", self.index, rank)
             self.bytes_in[name] = self.bytes_in.get(name, 0) + len(request)
             try:
-                header, arrays = wire.unpack(request)
-                reply = wire.pack(*fn(rank, header, arrays, context))
-            except wire.WireError as e:
+                header, arrays = unpack(request)
+                reply = pack(*fn(rank, header, arrays, context))
+            except WireError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ConfigError: ps task {self.index}: {e}")
             except RoleError as e:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{type(e).__name__}: {e}")
@@ -366,19 +367,19 @@ class ParameterServer:
         p = self.store.placement
         if p is None:
             raise ConfigError(f"ps task {self.index}: nothing to save, no variables are registered")
-        path = checkpoint.write_shard(directory, step, self.index, p.num_ps, self.store.snapshot())
+        path = write_shard(directory, step, self.index, p.num_ps, self.store.snapshot())
         return {"path": path}, []
 
     def _restore(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         self._chief(rank, "Restore")
         directory = self._checkpoint_dir(h, "Restore")
-        index = checkpoint.read_index(directory)
+        index = read_index(directory)
         p = self.store.placement
         if index is None or p is None:
             raise ConfigError(f"ps task {self.index}: no ps checkpoint in {directory!r}" if index is None
                               else f"ps task {self.index}: register the variables before restoring")
         slots = tuple(self.store.optimizer.slots)  # type: ignore[union-attr]
-        arrays = checkpoint.load_part(directory, index, p, self.index, slots)
+        arrays = load_part(directory, index, p, self.index, slots)
         self.store.load(arrays, int(index["step"]))
         return {"step": self.store.step}, []
 
@@ -414,7 +415,7 @@ class _Admission:
         import grpc
 
         self._gate = gate
-        self._prefix = f"/{wire.SERVICE}/"
+        self._prefix = f"/{SERVICE}/"
         self._handlers = handlers
         self._refuse = grpc.stream_unary_rpc_method_handler(gate.no_session)
         self._open = {"Hello", "Login"}
