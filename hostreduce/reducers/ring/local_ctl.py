@@ -7,8 +7,8 @@ peers' FIFOs.
 Messages of at most ``PIPE_BUF`` bytes are atomic, so several ranks can write to rank
 0's FIFO at once. This cuts a negotiation round trip from a few hundred microseconds
 to tens. After a message the reader polls for the next one for up to 1 ms before it
-sleeps (when every rank has a core): collectives come in runs, and waking a sleeping
-thread costs more than that. Peer failures are still detected by the gRPC connections.
+sleeps (when the host has a core to spare, ``shm_sync.spin_window_s``): collectives come
+in runs, and waking a sleeping thread costs more than that. Peer failures are still detected by the gRPC connections.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import time
 from typing import Callable
 
 from ...errors import PeerLostError
+from .shm_sync import spin_window_s
 
 __all__ = ["LocalControl", "MAX_MESSAGE"]
 
 MAX_MESSAGE = select.PIPE_BUF - 4
-_SPIN_S = 1e-3   # poll this long after a message before sleeping (when every rank has a core)
 _LEN = struct.Struct("<I")
 
 
@@ -53,7 +53,7 @@ class LocalControl:
             raise PermissionError(f"{self._path} is not a private directory of this user")
         self._on_message = on_message
         # Polling only pays when every rank has a core of its own.
-        self._spin_s = _SPIN_S if size <= len(os.sched_getaffinity(0)) else 0.0
+        self._spin_s = spin_window_s(size)
         mine = os.path.join(self._path, f"{rank}")
         self._rfd = os.open(mine, os.O_RDONLY | os.O_NONBLOCK)
         self._keep = os.open(mine, os.O_WRONLY)  # so reads never see end-of-file
