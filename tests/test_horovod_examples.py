@@ -6,6 +6,9 @@ with the same weights (a digest each rank prints).
 
 * ``tensorflow_mnist.py``: a TF1 graph, ``hvd.DistributedOptimizer`` over a TF1
   optimizer, ``hvd.BroadcastGlobalVariablesHook``, ``MonitoredTrainingSession``;
+* ``tensorflow_mnist_estimator.py``: ``tf.estimator`` as ``hostreduce.estimator``, with
+  ``hvd.DistributedOptimizer(...).minimize`` inside ``model_fn``, ``numpy_input_fn`` and
+  TF1 session hooks (``LoggingTensorHook``, ``hvd.BroadcastGlobalVariablesHook``);
 * ``tensorflow_keras_mnist.py``: ``model.fit`` on numpy arrays with validation data;
 * ``tensorflow2_keras_mnist.py``: ``model.fit`` on a dataset, Horovod's three callbacks;
 * the two synthetic benchmarks, on a small Keras application (``MobileNetV3Small``) for
@@ -62,6 +65,17 @@ def test_tf1_monitored_session_example(launcher: str, tmp_path: Path) -> None:
     _check(worker)
     assert "loss = " in worker.output and "step = 1" in worker.output, worker.output
     assert list((tmp_path / "ckpt").glob("model.ckpt-6.index")), worker.output
+
+
+@pytest.mark.parametrize("launcher", WITH_HOROVOD)
+def test_tf1_estimator_example(launcher: str, tmp_path: Path) -> None:
+    worker = _run(launcher, "tensorflow_mnist_estimator.py",
+                  ["--steps", "12", "--model-dir", str(tmp_path / "model"), "--log-every", "4"])
+    _check(worker)
+    assert "probabilities = [[" in worker.output, worker.output  # the logging hook, on both ranks
+    assert re.search(r"\{'loss': [0-9.]+, 'accuracy': [0-9.]+, 'global_step': 6\}", worker.output), worker.output
+    # Only rank 0 was given the model directory; it holds the last step's checkpoint.
+    assert [p.name for p in (tmp_path / "model").glob("ckpt-*")] == ["ckpt-000000006"], worker.output
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
