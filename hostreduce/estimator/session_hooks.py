@@ -69,6 +69,7 @@ class HookSession:
         self._wrapped = wrapped
         self._inputs = list(inputs)
         self._pruned: dict[tuple[str, ...], Any] = {}
+        self._reads: dict[int, Any] = {}
         self.batch = list(batch)
 
     @property
@@ -76,8 +77,8 @@ class HookSession:
         return self._wrapped.graph
 
     def run(self, fetches: Any, feed_dict: Any = None, options: Any = None, run_metadata: Any = None) -> Any:
-        """Run ``fetches`` (tensors, ops or their names, in any nest of lists, tuples and
-        dicts) of the hook graph on the current batch; ops give None."""
+        """Run ``fetches`` (tensors, ops or their names, variables, in any nest of lists,
+        tuples and dicts) of the hook graph on the current batch; ops give None."""
         if feed_dict:
             raise SpecError("Hooks in hostreduce's Estimator cannot feed tensors: the batch comes from `input_fn`. "
                             f"Received: feed_dict with {len(feed_dict)} entries")
@@ -87,7 +88,7 @@ class HookSession:
         import tensorflow as tf
 
         graph = self.graph
-        flat = [graph.as_graph_element(f) for f in tf.nest.flatten(fetches)]
+        flat = [self._element(f) for f in tf.nest.flatten(fetches)]
         if not flat:
             return fetches
         key = tuple(e.name for e in flat)
@@ -97,6 +98,21 @@ class HookSession:
         values = pruned(*batch)
         values = [None if v is None else v.numpy() for v in values]
         return tf.nest.pack_sequence_as(fetches, values)
+
+
+    def _element(self, fetch: Any) -> Any:
+        """The hook graph's tensor or op for ``fetch``; a variable (made outside the
+        graph) is read in it."""
+        import tensorflow as tf
+
+        graph = self.graph
+        if isinstance(fetch, tf.Variable) or hasattr(fetch, "read_value") and not isinstance(fetch, str):
+            read = self._reads.get(id(fetch))
+            if read is None:
+                with graph.as_default():
+                    read = self._reads[id(fetch)] = tf.identity(fetch.read_value())
+            return read
+        return graph.as_graph_element(fetch)
 
 
 class SessionHooks:
@@ -121,7 +137,10 @@ class SessionHooks:
             for variable in variables:
                 graph.add_to_collection(keys.GLOBAL_VARIABLES, variable)
             if global_step is not None and not graph.get_collection(keys.GLOBAL_STEP):
-                graph.add_to_collection(keys.GLOBAL_STEP, global_step)
+                # Its value read in this graph: TensorFlow's hooks build ops on the
+                # collection's entry (``training_util``), which a variable made outside
+                # the graph cannot give them.
+                graph.add_to_collection(keys.GLOBAL_STEP, tf.identity(global_step.read_value(), name="global_step"))
             for hook in self.hooks:
                 hook.begin()
 
