@@ -156,17 +156,17 @@ class SessionHooks:
         train = tf.compat.v1.train
         context = train.SessionRunContext(original_args=train.SessionRunArgs(None), session=self.session)
         self.session.batch = self._program.flat_inputs(features, labels)
-        results = []
-        for hook in self.hooks:
+        asked: dict[int, Any] = {}
+        for i, hook in enumerate(self.hooks):
             args = hook.before_run(context)
             if args is None or args.fetches is None:
-                results.append(None)
                 continue
             if args.feed_dict:
                 raise SpecError(f"Hooks in hostreduce's Estimator cannot feed tensors: the batch comes from `input_fn`. "
                                 f"Received: {type(hook).__name__}.before_run returned a feed_dict")
-            results.append(self.session.fetch(args.fetches, self.session.batch))
-        return context, results
+            asked[i] = args.fetches
+        fetched = self.session.fetch(asked, self.session.batch) if asked else {}  # one run for all hooks
+        return context, [fetched.get(i) for i in range(len(self.hooks))]
 
     def after_run(self, context: Any, results: list[Any]) -> bool:
         """Give every hook its results; whether one asked to stop."""
