@@ -298,3 +298,35 @@ def test_numpy_input_fn_as_tf_estimator_inputs() -> None:
     est = Estimator(_tf1_model_fn, config=RunConfig(log_step_count_steps=None))
     est.train(inputs.numpy_input_fn(data_x, data_y, batch_size=16, num_epochs=1, shuffle=True))
     assert est.global_step == 4
+
+
+def stop_hooks_rank(rank: int, world_size: int) -> tuple[int, list[int]]:
+    """A rank of the test below: only rank 1's hook asks to stop, after its second step."""
+    from hostreduce.strategies import MultiWorkerStrategy
+
+    class StopOnOne(tf.compat.v1.train.SessionRunHook):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def before_run(self, run_context):
+            return tf.compat.v1.train.SessionRunArgs(tf.compat.v1.train.get_global_step())
+
+        def after_run(self, run_context, run_values) -> None:
+            self.steps.append(int(run_values.results))
+            if rank == 1 and len(self.steps) == 2:
+                run_context.request_stop()
+
+    hook = StopOnOne()
+    est = Estimator(common.mlp_model_fn, params={"optimizer": "sgd"},
+                    config=RunConfig(train_distribute=MultiWorkerStrategy(), log_step_count_steps=None))
+    est.train(common.make_input_fn(), steps=10, hooks=[hook])
+    est.close()
+    return est.global_step, hook.steps
+
+
+@pytest.mark.slow
+def test_a_stop_one_worker_asks_for_stops_every_worker() -> None:
+    from hostreduce.testing import run_ranks
+
+    results = run_ranks(stop_hooks_rank, 2, timeout=150)
+    assert results == [(2, [0, 1]), (2, [0, 1])], results

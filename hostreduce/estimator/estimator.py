@@ -296,7 +296,8 @@ class Estimator:
             raise ConfigError("SessionRunHook objects in `hooks` are not supported with parameter servers: use "
                               f"callables hook(global_step, loss). Received: hooks={hooks!r:.200}")
         variables = dict((k, v) for k, v in self._store.items() if k not in self._excluded_keys)
-        return SessionHooks(hooks, program, list(variables.values()), variables.get("global_step"))
+        return SessionHooks(hooks, program, list(variables.values()), variables.get("global_step"),
+                            lambda: self._global_step)
 
     def _mean_across_workers(self, name: str, value: float) -> float:
         if self._team.size == 1:

@@ -7,12 +7,13 @@ and a session that runs what it fetches. The Estimator's training step is a
 get a graph of their own: ``model_fn`` traced once more in training mode as a TF1-style
 graph, in which nothing runs unless it is fetched (``ProgramBase.hook_graph``). Its
 ``GLOBAL_VARIABLES`` collection holds the Estimator's variables (model, optimizer,
-``global_step``; not evaluation metrics) and ``GLOBAL_STEP`` the step, as a
-``tf.estimator`` graph did. :class:`HookSession` runs fetches of that graph by pruning
+``global_step``; not evaluation metrics) and ``GLOBAL_STEP`` the step (the
+``global_step`` variable's value where ``model_fn`` made one, else the Estimator's own
+count), as a ``tf.estimator`` graph did. :class:`HookSession` runs fetches of that graph by pruning
 it to them.
 
-The calls come in ``tf.estimator``'s order: ``begin()`` once the variables exist and
-hold their restored values; ``after_create_session(session, coord)`` (``coord`` is
+The calls come in ``tf.estimator``'s order, each with the hook graph as the default
+graph: ``begin()`` once the variables exist and hold their restored values; ``after_create_session(session, coord)`` (``coord`` is
 None); per step ``before_run(run_context)`` then ``after_run(run_context, run_values)``;
 ``end(session)`` when training ends. What a hook fetches in ``before_run`` is computed
 on the step's batch with the variables as they are before the step's update (as in one
@@ -22,7 +23,9 @@ ends training after the step; with several workers, when any worker's hooks ask.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from ..errors import ConfigError, SpecError
 
@@ -92,10 +95,11 @@ class HookSession:
         if not flat:
             return fetches
         key = tuple(e.name for e in flat)
-        pruned = self._pruned.get(key)
-        if pruned is None:
-            pruned = self._pruned[key] = self._wrapped.prune(feeds=self._inputs, fetches=flat)
-        values = pruned(*batch)
+        with tf.init_scope():  # run eagerly, also when a hook calls with the hook graph as default
+            pruned = self._pruned.get(key)
+            if pruned is None:
+                pruned = self._pruned[key] = self._wrapped.prune(feeds=self._inputs, fetches=flat)
+            values = pruned(*batch)
         values = [None if v is None else v.numpy() for v in values]
         return tf.nest.pack_sequence_as(fetches, values)
 
@@ -123,9 +127,11 @@ class SessionHooks:
         program: the training program (``hook_graph``, ``flat_inputs``, ``empty_batch``).
         variables: the Estimator's variables (the hook graph's global variables).
         global_step: the ``global_step`` variable, or None.
+        step: the Estimator's step count (the global step without that variable).
     """
 
-    def __init__(self, hooks: Sequence[Any], program: Any, variables: Sequence[Any], global_step: Any) -> None:
+    def __init__(self, hooks: Sequence[Any], program: Any, variables: Sequence[Any], global_step: Any,
+                 step: Callable[[], int]) -> None:
         import tensorflow as tf
 
         self.hooks = list(hooks)
@@ -136,18 +142,26 @@ class SessionHooks:
             del graph.get_collection_ref(keys.GLOBAL_VARIABLES)[:]
             for variable in variables:
                 graph.add_to_collection(keys.GLOBAL_VARIABLES, variable)
-            if global_step is not None and not graph.get_collection(keys.GLOBAL_STEP):
+            if not graph.get_collection(keys.GLOBAL_STEP):
                 # Its value read in this graph: TensorFlow's hooks build ops on the
                 # collection's entry (``training_util``), which a variable made outside
-                # the graph cannot give them.
-                graph.add_to_collection(keys.GLOBAL_STEP, tf.identity(global_step.read_value(), name="global_step"))
+                # the graph cannot give them. Without a ``global_step`` variable, the
+                # Estimator's own count.
+                if global_step is not None:
+                    value = tf.identity(global_step.read_value(), name="global_step")
+                else:
+                    value = tf.numpy_function(lambda: np.int64(step()), [], tf.int64, stateful=True,
+                                              name="global_step")
+                    value.set_shape([])
+                graph.add_to_collection(keys.GLOBAL_STEP, value)
             for hook in self.hooks:
                 hook.begin()
 
         wrapped, inputs = program.hook_graph(begin)
         self.session = HookSession(wrapped, inputs, program.flat_inputs(*program.empty_batch()))
-        for hook in self.hooks:
-            hook.after_create_session(self.session, None)
+        with self.session.graph.as_default():
+            for hook in self.hooks:
+                hook.after_create_session(self.session, None)
 
     def before_run(self, features: Any, labels: Any) -> tuple[Any, list[Any]]:
         """Ask every hook for its fetches and compute them on this batch, before the step."""
@@ -157,27 +171,30 @@ class SessionHooks:
         context = train.SessionRunContext(original_args=train.SessionRunArgs(None), session=self.session)
         self.session.batch = self._program.flat_inputs(features, labels)
         asked: dict[int, Any] = {}
-        for i, hook in enumerate(self.hooks):
-            args = hook.before_run(context)
-            if args is None or args.fetches is None:
-                continue
-            if args.feed_dict:
-                raise SpecError(f"Hooks in hostreduce's Estimator cannot feed tensors: the batch comes from `input_fn`. "
-                                f"Received: {type(hook).__name__}.before_run returned a feed_dict")
-            asked[i] = args.fetches
-        fetched = self.session.fetch(asked, self.session.batch) if asked else {}  # one run for all hooks
+        with self.session.graph.as_default():
+            for i, hook in enumerate(self.hooks):
+                args = hook.before_run(context)
+                if args is None or args.fetches is None:
+                    continue
+                if args.feed_dict:
+                    raise SpecError("Hooks in hostreduce's Estimator cannot feed tensors: the batch comes from "
+                                    f"`input_fn`. Received: {type(hook).__name__}.before_run returned a feed_dict")
+                asked[i] = args.fetches
+            fetched = self.session.fetch(asked, self.session.batch) if asked else {}  # one run for all hooks
         return context, [fetched.get(i) for i in range(len(self.hooks))]
 
     def after_run(self, context: Any, results: list[Any]) -> bool:
         """Give every hook its results; whether one asked to stop."""
         import tensorflow as tf
 
-        for hook, result in zip(self.hooks, results):
-            values = tf.compat.v1.train.SessionRunValues(results=result, options=tf.compat.v1.RunOptions(),
-                                                         run_metadata=tf.compat.v1.RunMetadata())
-            hook.after_run(context, values)
+        with self.session.graph.as_default():
+            for hook, result in zip(self.hooks, results):
+                values = tf.compat.v1.train.SessionRunValues(results=result, options=tf.compat.v1.RunOptions(),
+                                                             run_metadata=tf.compat.v1.RunMetadata())
+                hook.after_run(context, values)
         return bool(context.stop_requested)
 
     def end(self) -> None:
-        for hook in self.hooks:
-            hook.end(self.session)
+        with self.session.graph.as_default():
+            for hook in self.hooks:
+                hook.end(self.session)
