@@ -9,17 +9,19 @@ graph, in which nothing runs unless it is fetched (``ProgramBase.hook_graph``). 
 ``GLOBAL_VARIABLES`` collection holds the Estimator's variables (model, optimizer,
 ``global_step``; not evaluation metrics) and ``GLOBAL_STEP`` the step (the
 ``global_step`` variable's value where ``model_fn`` made one, else the Estimator's own
-count), as a ``tf.estimator`` graph did. :class:`HookSession` runs fetches of that graph by pruning
-it to them.
+count), as a ``tf.estimator`` graph did. :class:`HookSession` runs fetches of that
+graph by pruning it to them.
 
 The calls come in ``tf.estimator``'s order, each with the hook graph as the default
-graph: ``begin()`` once the variables exist and hold their restored values; ``after_create_session(session, coord)`` (``coord`` is
-None); per step ``before_run(run_context)`` then ``after_run(run_context, run_values)``;
-``end(session)`` when training ends. What a hook fetches in ``before_run`` is computed
-on the step's batch with the variables as they are before the step's update (as in one
-TF1 ``session.run`` with the train op), by a forward pass of its own: only on the steps
-where a hook fetches something that needs the batch. ``run_context.request_stop()``
-ends training after the step; with several workers, when any worker's hooks ask.
+graph: ``begin()`` once the variables exist and hold their restored values;
+``after_create_session(session, coord)`` (``coord`` is None); per step
+``before_run(run_context)`` then ``after_run(run_context, run_values)``; ``end(session)``
+when training ends. What the hooks fetch in ``before_run`` is computed on the step's
+batch with the variables as they are before the step's update (as in one TF1
+``session.run`` with the train op), by one run of the hook graph: a forward pass of its
+own where a fetch needs the batch, only on the steps where a hook fetches something.
+``run_context.request_stop()`` ends training after the step; with several workers,
+when any worker's hooks ask.
 """
 from __future__ import annotations
 
