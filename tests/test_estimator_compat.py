@@ -196,3 +196,137 @@ def test_progress_still_reaches_tensorflow_logging_after_a_root_handler_appears(
     finally:
         root.handlers[:], root.level, tf_logger.handlers[:], tf_logger.level = saved
     assert seen == ["step 7: loss = 0.500"]
+
+
+def _tf1_model_fn(features, labels, mode):
+    """A TF1-style model_fn: a TF1 optimizer's ``minimize`` with ``global_step`` inside it,
+    and a tensor named for the hooks to fetch."""
+    logits = keras.layers.Dense(common.CLASSES)(features)
+    tf.nn.softmax(logits, name="probabilities")
+    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    if mode != ModeKeys.TRAIN:
+        return EstimatorSpec(mode, loss=loss)
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    return EstimatorSpec(mode, loss=loss,
+                         train_op=optimizer.minimize(loss, global_step=tf.compat.v1.train.get_global_step()))
+
+
+class _Recorder(tf.compat.v1.train.SessionRunHook):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fetched: list[dict] = []
+
+    def begin(self) -> None:
+        graph = tf.compat.v1.get_default_graph()
+        self.calls.append("begin")
+        self.step = tf.compat.v1.train.get_global_step()
+        self.names = sorted(v.name for v in tf.compat.v1.global_variables())
+        self.probabilities = graph.get_tensor_by_name("probabilities:0")
+
+    def after_create_session(self, session, coord) -> None:
+        self.calls.append("after_create_session")
+        self.initial_step = session.run(self.step)
+
+    def before_run(self, run_context):
+        self.calls.append("before_run")
+        return tf.compat.v1.train.SessionRunArgs({"step": self.step, "probabilities": "probabilities:0"})
+
+    def after_run(self, run_context, run_values) -> None:
+        self.calls.append("after_run")
+        self.fetched.append(run_values.results)
+
+    def end(self, session) -> None:
+        self.calls.append("end")
+        self.final_step = session.run(self.step)
+
+
+def test_session_run_hooks_are_called_as_tf_estimator_called_them(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    recorder, plain = _Recorder(), []
+    est = Estimator(_tf1_model_fn, config=RunConfig(log_step_count_steps=None))
+    est.train(common.make_input_fn(), steps=10, hooks=[
+        recorder, tf.compat.v1.train.LoggingTensorHook({"probabilities": "probabilities"}, every_n_iter=2),
+        tf.compat.v1.train.StopAtStepHook(num_steps=3), lambda step, loss: plain.append(step)])
+    # StopAtStepHook ended training after 3 of the 10 steps.
+    assert est.global_step == 3 and plain == [1, 2, 3] and int(est.get_variable_value("global_step")) == 3
+    assert recorder.calls == ["begin", "after_create_session"] + ["before_run", "after_run"] * 3 + ["end"]
+    assert len(recorder.names) == 3 and any("global_step" in n for n in recorder.names), recorder.names
+    # Fetched on the step's batch, before the step's update (as in one TF1 session.run).
+    assert [int(f["step"]) for f in recorder.fetched] == [0, 1, 2]
+    assert all(f["probabilities"].shape == (common.GLOBAL_BATCH, common.CLASSES) for f in recorder.fetched)
+    assert np.allclose(recorder.fetched[0]["probabilities"].sum(axis=1), 1.0, atol=1e-5)
+    assert (recorder.initial_step, recorder.final_step) == (0, 3)
+    assert caplog.text.count("probabilities = [[") == 2, caplog.text  # steps 1 and 3
+    # A second train() call begins anew; a hook may not feed tensors; hooks are hooks.
+    recorder.calls.clear()
+    est.train(common.make_input_fn(), steps=1, hooks=[recorder])
+    assert recorder.calls == ["begin", "after_create_session", "before_run", "after_run", "end"]
+    assert int(recorder.fetched[-1]["step"]) == 3
+
+    class Feeding(tf.compat.v1.train.SessionRunHook):
+        def before_run(self, run_context):
+            return tf.compat.v1.train.SessionRunArgs("probabilities:0", feed_dict={"x": 1})
+
+    with pytest.raises(SpecError, match="feed_dict"):
+        est.train(common.make_input_fn(), steps=1, hooks=[Feeding()])
+    with pytest.raises(ConfigError, match=r"`hooks` must hold SessionRunHook objects.*hooks\[0\]"):
+        est.train(common.make_input_fn(), steps=1, hooks=[object()])
+
+
+def test_numpy_input_fn_as_tf_estimator_inputs() -> None:
+    from hostreduce.estimator import inputs
+
+    x = np.arange(10, dtype=np.float32).reshape(5, 2)
+    y = np.arange(5, dtype=np.int32)
+    batches = list(inputs.numpy_input_fn({"x": x}, y, batch_size=2, num_epochs=2, shuffle=False)())
+    assert [len(b[1]) for b in batches] == [2, 2, 2, 2, 2]  # batches run on across the epochs
+    assert np.array_equal(np.concatenate([b[0]["x"] for b in batches]), np.concatenate([x, x]))
+    assert np.array_equal(np.concatenate([b[1] for b in batches]), np.concatenate([y, y]))
+    last = list(inputs.numpy_input_fn(x, batch_size=3, shuffle=False)())
+    assert [len(b) for b in last] == [3, 2]  # features alone; a smaller last batch
+    shuffled = next(iter(inputs.numpy_input_fn({"x": x}, y, batch_size=5, num_epochs=None, shuffle=True)()))
+    assert sorted(shuffled[1].numpy()) == list(y)
+    assert np.array_equal(shuffled[0]["x"].numpy()[:, 0] / 2, shuffled[1].numpy())  # rows stay with labels
+    with pytest.raises(ConfigError, match="`shuffle` must be given"):
+        inputs.numpy_input_fn({"x": x}, y)
+    with pytest.raises(ConfigError, match="same number of examples"):
+        inputs.numpy_input_fn({"x": x}, y[:3], shuffle=False)
+    with pytest.raises(ConfigError, match="batch_size"):
+        inputs.numpy_input_fn(x, batch_size=0, shuffle=False)
+    # An Estimator trains on it.
+    data_x, data_y = common.dataset_arrays(64)
+    est = Estimator(_tf1_model_fn, config=RunConfig(log_step_count_steps=None))
+    est.train(inputs.numpy_input_fn(data_x, data_y, batch_size=16, num_epochs=1, shuffle=True))
+    assert est.global_step == 4
+
+
+def stop_hooks_rank(rank: int, world_size: int) -> tuple[int, list[int]]:
+    """A rank of the test below: only rank 1's hook asks to stop, after its second step."""
+    from hostreduce.strategies import MultiWorkerStrategy
+
+    class StopOnOne(tf.compat.v1.train.SessionRunHook):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def before_run(self, run_context):
+            return tf.compat.v1.train.SessionRunArgs(tf.compat.v1.train.get_global_step())
+
+        def after_run(self, run_context, run_values) -> None:
+            self.steps.append(int(run_values.results))
+            if rank == 1 and len(self.steps) == 2:
+                run_context.request_stop()
+
+    hook = StopOnOne()
+    est = Estimator(common.mlp_model_fn, params={"optimizer": "sgd"},
+                    config=RunConfig(train_distribute=MultiWorkerStrategy(), log_step_count_steps=None))
+    est.train(common.make_input_fn(), steps=10, hooks=[hook])
+    est.close()
+    return est.global_step, hook.steps
+
+
+@pytest.mark.slow
+def test_a_stop_one_worker_asks_for_stops_every_worker() -> None:
+    from hostreduce.testing import run_ranks
+
+    results = run_ranks(stop_hooks_rank, 2, timeout=150)
+    assert results == [(2, [0, 1]), (2, [0, 1])], results

@@ -1,10 +1,14 @@
 """Scripts in the shape of Horovod's TensorFlow examples (``tests/hvd_workers/``), ported
 by the import line, local data and the renames of TensorFlow 2.16+ and Keras 3, on 2
-workers under ``hostreduce run`` (the ring) and ``mpirun`` (the MPI engine): every rank
-exits 0 and ends with the same weights (a digest each rank prints).
+workers under ``hostreduce run`` (the ring) and ``mpirun`` (the MPI engine; the TF1
+scripts also on Horovod's core ops, where Horovod is built): every rank exits 0 and ends
+with the same weights (a digest each rank prints).
 
 * ``tensorflow_mnist.py``: a TF1 graph, ``hvd.DistributedOptimizer`` over a TF1
   optimizer, ``hvd.BroadcastGlobalVariablesHook``, ``MonitoredTrainingSession``;
+* ``tensorflow_mnist_estimator.py``: ``tf.estimator`` as ``hostreduce.estimator``, with
+  ``hvd.DistributedOptimizer(...).minimize`` inside ``model_fn``, ``numpy_input_fn`` and
+  TF1 session hooks (``LoggingTensorHook``, ``hvd.BroadcastGlobalVariablesHook``);
 * ``tensorflow_keras_mnist.py``: ``model.fit`` on numpy arrays with validation data;
 * ``tensorflow2_keras_mnist.py``: ``model.fit`` on a dataset, Horovod's three callbacks;
 * the two synthetic benchmarks, on a small Keras application (``MobileNetV3Small``) for
@@ -20,7 +24,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-from tests.mpi_workers.mpi_launch import mpi_skip_reason  # noqa: E402
+from tests.mpi_workers.mpi_launch import horovod_skip_reason, mpi_skip_reason  # noqa: E402
 from tests.script_jobs import Worker, base_env, run_launcher, run_mpirun  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
@@ -37,7 +41,9 @@ BENCHMARK = ["--no-cuda", "--model", "MobileNetV3Small", "--batch-size", "2", "-
 def _run(launcher: str, script: str, args: list[str]) -> Worker:
     if launcher == "ring":
         return run_launcher(WORKERS / script, args, env=base_env(), timeout=TIMEOUT)
-    return run_mpirun(WORKERS / script, args, env=base_env(), timeout=TIMEOUT)
+    if launcher == "horovod" and horovod_skip_reason() is not None:
+        pytest.skip(horovod_skip_reason())
+    return run_mpirun(WORKERS / script, args, env=base_env(), timeout=TIMEOUT, reducer=launcher)
 
 
 def _check(worker: Worker) -> None:
@@ -47,14 +53,29 @@ def _check(worker: Worker) -> None:
 
 
 LAUNCHERS = ["ring", pytest.param("mpi", marks=needs_mpi)]
+# Also under mpirun on Horovod's core ops (``HOSTREDUCE_REDUCER=horovod``), which pair
+# collectives by their position in each rank's sequence; skipped, with the reason, where
+# Horovod is not built (``_run``).
+WITH_HOROVOD = [*LAUNCHERS, pytest.param("horovod", marks=needs_mpi)]
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", WITH_HOROVOD)
 def test_tf1_monitored_session_example(launcher: str, tmp_path: Path) -> None:
     worker = _run(launcher, "tensorflow_mnist.py", ["--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt")])
     _check(worker)
     assert "loss = " in worker.output and "step = 1" in worker.output, worker.output
     assert list((tmp_path / "ckpt").glob("model.ckpt-6.index")), worker.output
+
+
+@pytest.mark.parametrize("launcher", WITH_HOROVOD)
+def test_tf1_estimator_example(launcher: str, tmp_path: Path) -> None:
+    worker = _run(launcher, "tensorflow_mnist_estimator.py",
+                  ["--steps", "12", "--model-dir", str(tmp_path / "model"), "--log-every", "4"])
+    _check(worker)
+    assert "probabilities = [[" in worker.output, worker.output  # the logging hook, on both ranks
+    assert re.search(r"\{'loss': [0-9.]+, 'accuracy': [0-9.]+, 'global_step': 6\}", worker.output), worker.output
+    # Only rank 0 was given the model directory; it holds the last step's checkpoint.
+    assert [p.name for p in (tmp_path / "model").glob("ckpt-*")] == ["ckpt-000000006"], worker.output
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)

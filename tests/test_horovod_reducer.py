@@ -5,44 +5,19 @@ scripts/build_horovod.sh.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.mpi_workers.mpi_launch import run_mpi, timings
+from tests.mpi_workers.mpi_launch import horovod_skip_reason, run_mpi, timings
 
 pytestmark = pytest.mark.mpi
-
-HINT = "build it with scripts/build_horovod.sh"
-
-
-@functools.lru_cache(maxsize=None)
-def horovod_missing() -> str | None:
-    """Why Horovod cannot be used here, or None. Imported in a child process so that this
-    process loads neither TensorFlow nor Horovod's MPI library."""
-    if importlib.util.find_spec("horovod") is None:
-        return f"horovod not importable: No module named 'horovod'; {HINT}"
-    probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow"],
-                           capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
-        lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
-        return f"horovod not importable: {lines[-1] if lines else 'exit ' + str(probe.returncode)}; {HINT}"
-    try:
-        from hostreduce.reducers.mpi.select import mpirun_for
-
-        mpirun_for("horovod")
-    except Exception as exc:  # noqa: BLE001
-        return f"horovod is installed but has no mpirun: {exc}"
-    return None
 
 
 @pytest.fixture(scope="module")
 def horovod_ready() -> None:
-    reason = horovod_missing()
+    reason = horovod_skip_reason()
     if reason is not None:
         pytest.skip(reason)
 

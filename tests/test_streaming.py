@@ -79,3 +79,77 @@ def test_timeline_from_env_and_disabled(tmp_path: Path, monkeypatch: pytest.Monk
     events = json.loads((tmp_path / "timeline-rank3.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} == {"host apply", "allreduce w"}
     assert all(e["pid"] == 3 for e in events)
+
+
+def test_ordered_handoffs_keep_their_order_in_a_tf1_session() -> None:
+    """An ordered engine (MPI, Horovod's core ops) gets a group's hand-offs in one order,
+    last tensor first, also in a TF1 graph run by a ``Session``, whose executor orders
+    no stateful ops by itself: each hand-off has a control dependency on the one before
+    it, and the engine sees the same order at every run."""
+    import numpy as np
+    import tensorflow as tf
+
+    from hostreduce.reducers.local import LocalReducer
+    from hostreduce.streaming import Channel, Collective, exchange
+
+    class Recording(LocalReducer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def _broadcast_async(self, name, arr, root, group):  # type: ignore[no-untyped-def]
+            self.names.append(name)
+            return super()._broadcast_async(name, arr, root, group)
+
+    reducer = Recording()
+    count = 12
+    graph = tf.Graph()
+    with graph.as_default():
+        values = [tf.constant(np.full((i + 1,), i, np.float32)) for i in range(count)]
+        results = exchange(Channel(lambda: reducer, ordered=True), values,
+                           [Collective("broadcast", f"b/{i}") for i in range(count)])
+    handoffs = {op.name: op for op in graph.get_operations() if op.name.startswith("hostreduce_handoff_")}
+    for i in range(count - 1):
+        assert [op.name for op in handoffs[f"hostreduce_handoff_{i}"].control_inputs] == \
+            [f"hostreduce_handoff_{i + 1}"]
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=8)
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        for _ in range(5):
+            reducer.names.clear()
+            out = session.run(results)
+            assert reducer.names == [f"b/{i}" for i in range(count - 1, -1, -1)]
+            assert all(np.array_equal(o, np.full((i + 1,), i, np.float32)) for i, o in enumerate(out))
+
+
+def test_host_collectives_of_one_call_keep_their_order_in_a_tf1_session() -> None:
+    """Host ops created inside ``in_order()`` (one call's collectives on a process set)
+    run in creation order in a TF1 ``Session`` too; outside it they stay independent."""
+    import numpy as np
+    import tensorflow as tf
+
+    from hostreduce.reducers.local import LocalReducer
+    from hostreduce.streaming import Channel
+    from hostreduce.streaming.host_collective import host_collective, in_order
+
+    seen: list[int] = []
+    channel = Channel(LocalReducer, ordered=True)
+    count = 12
+    graph = tf.Graph()
+    with graph.as_default():
+        def one(i: int, value: object) -> object:
+            return host_collective(channel, f"c{i}", lambda r, a, i=i: seen.append(i) or [a[0]], [value],
+                                   [tf.float32], [tf.TensorShape([i + 1])])[0]
+
+        with in_order():
+            outs = [one(i, tf.constant(np.full((i + 1,), i, np.float32))) for i in range(count)]
+        loose = one(count, tf.constant(np.zeros(count + 1, np.float32)))
+    for i in range(1, count):
+        assert outs[i].op.control_inputs == [outs[i - 1].op]
+    assert outs[0].op.control_inputs == [] and loose.op.control_inputs == []
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=8)
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        for _ in range(5):
+            seen.clear()
+            values = session.run(outs)
+            assert seen == list(range(count))
+            assert all(np.array_equal(v, np.full((i + 1,), i, np.float32)) for i, v in enumerate(values))

@@ -3,6 +3,7 @@ whose ``host_call`` runs the optimizer on the host after gradients are all-reduc
 from .estimator import Estimator
 from .mode_keys import ModeKeys
 from .names import restore_variables
+from .numpy_input import numpy_input_fn
 from .run_config import RunConfig
 from .spec import EstimatorSpec, host_train_spec
 from .training import EvalSpec, TrainSpec, train_and_evaluate
@@ -19,6 +20,7 @@ __all__ = [
     "TrainSpec",
     "compute_gradients",
     "host_train_spec",
+    "numpy_input_fn",
     "restore_variables",
     "train_and_evaluate",
 ]

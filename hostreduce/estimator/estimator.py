@@ -22,6 +22,7 @@ from .programs import EvalProgram, PredictProgram, TrainProgram
 from .ps_program import PSTrainProgram
 from .roles import check_can_train
 from .run_config import RunConfig, set_random_seed
+from .session_hooks import SessionHooks, split_hooks
 from .summaries import SummaryWriter
 from .team import training_team
 
@@ -185,7 +186,7 @@ class Estimator:
 
     # -- train -----------------------------------------------------------------
     def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,
-              hooks: list[Callable[[int, float], None]] | None = None) -> "Estimator":
+              hooks: list[Any] | None = None) -> "Estimator":
         """Train on ``input_fn``'s data.
 
         Args:
@@ -194,7 +195,10 @@ class Estimator:
                 ``input_context`` for multi-worker training.
             steps: train this many more steps (or until the data ends).
             max_steps: train until the global step reaches this value.
-            hooks: callables ``hook(global_step, loss)`` run after every step.
+            hooks: callables ``hook(global_step, loss)`` run after every step, and
+                TensorFlow ``SessionRunHook`` objects (``tf.compat.v1.train.LoggingTensorHook``,
+                ``hvd.BroadcastGlobalVariablesHook``, ...), called as ``tf.estimator`` called
+                them, on a graph of their own (``session_hooks.py``).
 
         With neither ``steps`` nor ``max_steps``, training runs until the data ends;
         with several workers they agree every step, so all stop when the first runs
@@ -209,6 +213,7 @@ class Estimator:
         check_steps("max_steps", max_steps)
         if steps is not None and max_steps is not None:
             raise ConfigError(f"Give `steps` or `max_steps`, not both. Received: steps={steps}, max_steps={max_steps}")
+        plain_hooks, session_hooks = split_hooks(hooks)
         check_can_train(self._strategy)  # a ps task serves here instead
         self._team.reducer  # connect before the first step, not inside it
         dataset = self._dataset(input_fn, ModeKeys.TRAIN)
@@ -226,9 +231,11 @@ class Estimator:
         summary_every = config.save_summary_steps if config.model_dir else None
         summary_start, summary_examples = time.perf_counter(), 0
         iterator = self._ckpt.iterator = self._ckpt.restore_input(dataset, iter(dataset), self._global_step)
+        session = self._session_hooks(session_hooks, program)
         loss = float("nan")
         has_data = 1
-        while target is None or self._global_step < target:
+        stop = False
+        while (target is None or self._global_step < target) and not stop:
             try:
                 features, labels = split_element(next(iterator), ModeKeys.TRAIN)
                 has_data = 1
@@ -238,12 +245,19 @@ class Estimator:
                 has_data = int(self._team.reducer.allreduce("hostreduce.more", np.array([has_data], np.int32), op="min")[0])
             if not has_data:
                 break
+            if session is not None:
+                context, fetched = session.before_run(features, labels)
             loss = program.run(features, labels, timeout)
             self._global_step += 1
             step = self._global_step
             window_examples += batch_size(features) * strategy.size
             summary_examples += batch_size(features) * strategy.size
-            for hook in hooks or ():
+            if session is not None:
+                stop = session.after_run(context, fetched)
+                if self._team.size > 1:  # every worker stops at the same step
+                    stop = bool(self._team.reducer.allreduce("hostreduce.hooks.stop", np.array([stop], np.int32),
+                                                             op="max")[0])
+            for hook in plain_hooks:
                 hook(step, loss)
             if log_every and step % log_every == 0:
                 mean_loss = self._mean_across_workers("hostreduce.loss", loss)
@@ -263,6 +277,8 @@ class Estimator:
                 self._save()
                 self._timeline.flush()
         self._save(input_ended=not has_data)
+        if session is not None:
+            session.end()
         if isinstance(program, PSTrainProgram):
             program.finish()
         self._ckpt.iterator = None
@@ -270,6 +286,18 @@ class Estimator:
         if strategy.is_chief and self._global_step > start:
             progress("Loss for final step: %s.", loss)
         return self
+
+    def _session_hooks(self, hooks: list[Any], program: Any) -> SessionHooks | None:
+        """The ``SessionRunHook`` objects of a ``train`` call, begun and given their
+        session (after the variables were restored and synchronized)."""
+        if not hooks:
+            return None
+        if isinstance(program, PSTrainProgram):
+            raise ConfigError("SessionRunHook objects in `hooks` are not supported with parameter servers: use "
+                              f"callables hook(global_step, loss). Received: hooks={hooks!r:.200}")
+        variables = dict((k, v) for k, v in self._store.items() if k not in self._excluded_keys)
+        return SessionHooks(hooks, program, list(variables.values()), variables.get("global_step"),
+                            lambda: self._global_step)
 
     def _mean_across_workers(self, name: str, value: float) -> float:
         if self._team.size == 1:

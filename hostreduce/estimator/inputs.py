@@ -1,14 +1,17 @@
 """Calling user functions with the arguments they ask for: ``input_fn(mode,
-input_context)`` and ``model_fn(features, labels, mode, params, config)``."""
+input_context)`` and ``model_fn(features, labels, mode, params, config)``; and, as
+``tf.estimator.inputs`` did, :func:`numpy_input_fn` (from ``numpy_input.py``)."""
 from __future__ import annotations
 
 import inspect
 from typing import Any, Callable
 
 from ..errors import ConfigError, SpecError
+from .numpy_input import numpy_input_fn
 
-__all__ = ["batch_size", "call_input_fn", "call_model_fn", "check_model_fn", "check_steps", "split_element",
-           "without_autotune_thread"]
+# ``numpy_input_fn`` is here too, where ``tf.estimator.inputs`` had it.
+__all__ = ["batch_size", "call_input_fn", "call_model_fn", "check_model_fn", "check_steps", "numpy_input_fn",
+           "split_element", "without_autotune_thread"]
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 

@@ -149,6 +149,44 @@ class ProgramBase:
         return self._lookups
 
 
+    def hook_graph(self, begin: Callable[[Any], None]) -> tuple[Any, list[Any]]:
+        """``model_fn`` traced once more, as a TF1-style graph (``tf.compat.v1.wrap_function``)
+        where nothing runs unless it is fetched, for ``SessionRunHook`` objects: they build
+        their ops there (``begin(graph)`` is called at the end of the trace, the graph
+        the default one) and fetch what they like of it. Returns the wrapped function
+        (``prune`` it to fetches) and its inputs: ``features`` then ``labels``, flattened."""
+        import tensorflow as tf
+
+        def trace(features: Any, labels: Any = None) -> dict[str, Any]:
+            spec = self.spec
+            with self.store.scope(), tf.GradientTape() as tape, recording(tape):
+                self._call_model_fn(features, labels)
+            self.spec = spec  # the step's own trace stays the one read
+            begin(tf.compat.v1.get_default_graph())
+            return {}
+
+        signature = list(self.signature) if self.has_labels else [self.signature[0]]
+        wrapped = tf.compat.v1.wrap_function(trace, signature=signature)
+        return wrapped, list(wrapped.inputs[:len(tf.nest.flatten(signature))])
+
+    def flat_inputs(self, features: Any, labels: Any) -> list[Any]:
+        """A batch as :meth:`hook_graph`'s inputs take it."""
+        import tensorflow as tf
+
+        return tf.nest.flatten([features, labels] if self.has_labels else [features])
+
+    def empty_batch(self) -> tuple[Any, Any]:
+        """(features, labels) with zero examples (the batch dimension 0)."""
+        import tensorflow as tf
+
+        def empty(spec: Any) -> Any:
+            return tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
+
+        features = tf.nest.map_structure(empty, self.signature[0])
+        labels = None if self.signature[1] is None else tf.nest.map_structure(empty, self.signature[1])
+        return features, labels
+
+
 class TrainProgram(ProgramBase):
     """Forward and backward on the device with streaming hand-off; then the host step.
 
@@ -316,17 +354,6 @@ class EvalProgram(ProgramBase):
         ops = (self.spec.eval_metric_ops or {}) if self.spec is not None else {}
         return [k for k, m in ops.items() if not _is_keras_metric(m) and isinstance(m, (tuple, list))]
 
-    def empty_batch(self) -> tuple[Any, Any]:
-        """(features, labels) with zero examples: a step on it updates no streaming
-        metric's state and returns every metric's value for the current state."""
-        import tensorflow as tf
-
-        def empty(spec: Any) -> Any:
-            return tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
-
-        features = tf.nest.map_structure(empty, self.signature[0])
-        labels = None if self.signature[1] is None else tf.nest.map_structure(empty, self.signature[1])
-        return features, labels
 
 
 class PredictProgram(ProgramBase):

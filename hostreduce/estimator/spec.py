@@ -33,7 +33,8 @@ class EstimatorSpec(NamedTuple):
             more ``eval_metric_ops``.
         export_outputs: kept for ``tf.estimator`` scripts; not used by the runner.
         training_chief_hooks, training_hooks, scaffold, evaluation_hooks,
-        prediction_hooks: TensorFlow session objects; only None or empty is accepted.
+        prediction_hooks: TensorFlow session objects; only None or empty is accepted
+            (``Estimator.train(hooks=...)`` takes ``SessionRunHook`` objects).
     """
 
     mode: str
@@ -58,8 +59,8 @@ class EstimatorSpec(NamedTuple):
                 raise SpecError(
                     f"`{field}` is not supported: TensorFlow session hooks and scaffolds have no place in "
                     f"hostreduce's runner (it runs TensorFlow 2 functions, not a session). Received: {field}="
-                    f"{_short(getattr(self, field))}. Use `Estimator.train(..., hooks=[fn])` with "
-                    "`fn(global_step, loss)` callables instead"
+                    f"{_short(getattr(self, field))}. Pass hooks to `Estimator.train(..., hooks=[...])` instead: "
+                    "SessionRunHook objects or `fn(global_step, loss)` callables"
                 )
         if self.eval_metrics is not None:
             self = self._replace(eval_metric_ops=_merged_metrics(self.eval_metric_ops, self.eval_metrics),

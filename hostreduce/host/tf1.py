@@ -18,7 +18,9 @@ the optimizer's public methods are routed through this module:
   held like the others (TensorFlow's own cannot be made inside a traced function).
 - ``minimize`` is the two together. Inside ``model_fn`` with several workers there is
   no averaging between them before the update, so ``minimize`` and
-  ``apply_gradients`` raise ``SpecError`` there and say what to write instead.
+  ``apply_gradients`` raise ``SpecError`` there and say what to write instead. (An
+  Estimator without ``train_distribute`` trains alone: there they run, and an optimizer
+  wrapped in ``hvd.DistributedOptimizer`` averages over the Horovod job by itself.)
 
 Outside the block every call reaches TensorFlow unchanged.
 """
@@ -43,7 +45,9 @@ _local = threading.local()
 _HOST_CALL_HINT = (
     "Take the gradients in `model_fn` with `grads_and_vars = optimizer.compute_gradients(loss, var_list=variables)` "
     "and apply them on the host: `EstimatorSpec(..., host_call=(lambda *grads: "
-    "optimizer.apply_gradients(zip(grads, variables)), [g for g, _ in grads_and_vars]))`"
+    "optimizer.apply_gradients(zip(grads, variables)), [g for g, _ in grads_and_vars]))`. (An optimizer "
+    "wrapped in hostreduce.horovod.DistributedOptimizer averages by itself: with it, leave RunConfig's "
+    "train_distribute unset, as Horovod's Estimator example does)"
 )
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from ..errors import ConfigError
+from ..streaming.host_collective import in_order
 from . import job as _engine
 from .arguments import Average, ReduceOp
 from .process_sets import global_process_set
@@ -124,9 +125,10 @@ def reduce_some(spec: ReduceSpec, grads: Sequence[Any], sources: Sequence[Any], 
     if todo and group_size > 1:
         base = name or _engine.collective_name("gradients", None)
         if on_set:
-            for i in todo:
-                out[i] = allreduce(grads[i], compression=spec.compression, op=spec.op, prescale_factor=pre,
-                                   postscale_factor=post, name=f"{base}/{i}", process_set=process_set)
+            with in_order():
+                for i in todo:
+                    out[i] = allreduce(grads[i], compression=spec.compression, op=spec.op, prescale_factor=pre,
+                                       postscale_factor=post, name=f"{base}/{i}", process_set=process_set)
         else:
             reduced = reduce_tensors([grads[i] for i in todo], spec.op, [f"{base}/{i}" for i in todo],
                                      labels=[label_of(sources[i], i) for i in todo], compression=spec.compression,

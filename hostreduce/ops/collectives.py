@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..streaming.host_collective import host_collective
+from ..streaming.host_collective import host_collective, in_order
 from . import job as _engine
 from .gradients import differentiable
 from .tf_errors import checked, tf_errors
@@ -75,9 +75,10 @@ def grouped_reducescatter(tensors: Any, device_dense: str = "", compression: Any
                           postscale_factor: float = 1.0) -> list[Any]:
     """:func:`reducescatter` of each tensor, in order."""
     base = _engine.collective_name(kind_of("grouped_reducescatter", process_set), None)
-    return [reducescatter(t, compression=compression, op=op, name=f"{base}/{i}", process_set=process_set,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-            for i, t in enumerate(tensors)]
+    with in_order():
+        return [reducescatter(t, compression=compression, op=op, name=f"{base}/{i}", process_set=process_set,
+                              prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                for i, t in enumerate(tensors)]
 
 
 @tf_errors

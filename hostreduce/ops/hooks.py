@@ -1,4 +1,6 @@
-"""Horovod's ``BroadcastGlobalVariablesHook`` for TF1 ``MonitoredTrainingSession`` scripts."""
+"""Horovod's ``BroadcastGlobalVariablesHook`` for TF1 ``MonitoredTrainingSession`` scripts
+and for ``hostreduce.estimator.Estimator.train(hooks=...)`` (which gives hooks a TF1 graph
+whose global variables are the Estimator's)."""
 from __future__ import annotations
 
 from typing import Any

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, UnsupportedCallError
 from ..streaming import Collective, exchange
+from ..streaming.host_collective import in_order
 from . import job as _engine
 from .gradients import differentiable, differentiable_group
 from .tf_errors import checked, tf_errors
@@ -190,9 +191,10 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     rop = resolve_op(op, average)
     base = _engine.collective_name(kind_of("grouped_allreduce", process_set), name)
     if on_set(process_set):
-        return [allreduce(t, compression=compression, op=rop, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, name=f"{base}/{i}", process_set=process_set)
-                for i, t in enumerate(tensors)]
+        with in_order():
+            return [allreduce(t, compression=compression, op=rop, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, name=f"{base}/{i}", process_set=process_set)
+                    for i, t in enumerate(tensors)]
 
     def forward(xs: list[Any]) -> list[Any]:
         return reduce_tensors(xs, rop, [f"{base}/{i}" for i in range(len(xs))], compression=compression,
@@ -292,7 +294,8 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = globa
     base = _engine.collective_name(kind_of("broadcast_variables", process_set), None)
     if subset:
 
-        values = [group_broadcast(v, root, f"{base}/{i}", process_set) for i, v in enumerate(variables)]
+        with in_order():
+            values = [group_broadcast(v, root, f"{base}/{i}", process_set) for i, v in enumerate(variables)]
         assigns = [v.assign(value) for v, value in zip(variables, values)]
         return None if tf.executing_eagerly() else tf.group(*[a for a in assigns if a is not None])
     collectives = [Collective("broadcast", f"{base}/{i}", root=root, label=_label(v, i))

@@ -24,9 +24,11 @@ tensor is handed off, and each wait op returns when its tensor's bucket is reduc
 
 Ordering. Engines that negotiate (the ring) accept tensors in any order, so a group's
 hand-off ops are unordered. Engines that need the same submission order on every rank
-(``Channel.ordered``: MPI, Horovod's core ops driven from Python) get stateful ops, which
-``tf.function`` runs in the order they were created; a group's ops are created in
-reverse order, the order a backward pass produces gradients in. :func:`exchange` with
+(``Channel.ordered``: MPI, Horovod's core ops driven from Python) get stateful ops, each
+with a control dependency on the one created before it, so that a group's hand-offs run
+in the order they were created in ``tf.function`` and in a TF1 graph alike (a
+``Session`` orders no stateful ops by itself); a group's ops are created in reverse
+order, the order a backward pass produces gradients in. :func:`exchange` with
 ``chained=True`` (single collectives outside a group) orders them on every engine, which
 also keeps independent collectives from blocking each other's threads.
 """
@@ -50,13 +52,23 @@ def handoff_ops(slots: Sequence[Slot], tensors: Sequence[Any], stateful: bool, d
 
     Returns one int32 token per tensor; something must depend on each token (or the
     ops must be stateful) so that TensorFlow does not prune the op.
+
+    ``stateful`` ops (an ordered engine, or a chained group) also wait for the hand-off
+    created before them. ``tf.function`` orders stateful ops by itself; a TF1 graph run
+    by a ``Session`` does not, and its executor starts the ops of a group in whatever
+    order their inputs become ready, which differs from rank to rank (an engine that
+    matches collectives by position, Horovod's core ops, then pairs different tensors).
     """
     import tensorflow as tf
 
     tokens: list[Any] = [None] * len(tensors)
+    previous: list[Any] = []
     for i in range(len(tensors) - 1, -1, -1):
-        tokens[i] = tf.numpy_function(_handoff_callback(slots[i], defer), [tensors[i]], tf.int32,
-                                      stateful=stateful, name=f"hostreduce_handoff_{i}")
+        with tf.control_dependencies(previous):
+            tokens[i] = tf.numpy_function(_handoff_callback(slots[i], defer), [tensors[i]], tf.int32,
+                                          stateful=stateful, name=f"hostreduce_handoff_{i}")
+        if stateful:
+            previous = [tokens[i]]
     return tokens
 
 

@@ -7,11 +7,16 @@ into the graph (or does so at once, eagerly). Unlike :func:`exchange`, the op wa
 its own result: these collectives are used one at a time in a step, so nothing is
 gained by splitting submission from the wait, and outputs whose shape depends on other
 ranks (a reduce-scatter's rows, an all-to-all's received rows) come back in one piece.
-Ops run in creation order on engines that match by position (``Channel.ordered``).
+Ops run in creation order on engines that match by position (``Channel.ordered``):
+``tf.function`` runs stateful ops in that order by itself; in a TF1 graph run by a
+``Session``, which orders none, the ops that one call creates (a group of collectives
+on a process set) are chained in creation order inside :func:`in_order`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -19,7 +24,23 @@ from ..timeline import now_us
 from .disagreement import with_status
 from .slots import Channel
 
-__all__ = ["host_collective"]
+__all__ = ["host_collective", "in_order"]
+
+_chain = threading.local()
+
+
+@contextlib.contextmanager
+def in_order() -> Iterator[None]:
+    """Each host op created in this block (in a graph) waits for the one created before
+    it, so that ranks run them in the same order. Only one call's ops belong in a block:
+    an op that waited for the op of another ``session.run`` fetch would run that one
+    too."""
+    previous = getattr(_chain, "ops", None)
+    _chain.ops = []
+    try:
+        yield
+    finally:
+        _chain.ops = previous
 
 Run = Callable[[Any, list[np.ndarray]], Sequence[np.ndarray]]
 
@@ -45,15 +66,20 @@ def host_collective(channel: Channel, label: str, run: Run, inputs: Sequence[Any
 
     dtypes = [tf.as_dtype(d) for d in out_dtypes]
     status = None
-    if statuses and not tf.executing_eagerly():
-        op = tf.autograph.experimental.do_not_convert(with_status(op, [d.as_numpy_dtype for d in dtypes], label))
-        *outs, status = tf.numpy_function(op, list(inputs), dtypes + [tf.int32], stateful=True,
-                                          name="hostreduce_collective")
-    else:
-        op = tf.autograph.experimental.do_not_convert(op)
-        outs = tf.numpy_function(op, list(inputs), dtypes, stateful=True, name="hostreduce_collective")
-        if not isinstance(outs, (list, tuple)):
-            outs = [outs]
+    chain = getattr(_chain, "ops", None)
+    after = chain[-1:] if chain is not None and not tf.executing_eagerly() else []
+    with tf.control_dependencies(after):
+        if statuses and not tf.executing_eagerly():
+            op = tf.autograph.experimental.do_not_convert(with_status(op, [d.as_numpy_dtype for d in dtypes], label))
+            *outs, status = tf.numpy_function(op, list(inputs), dtypes + [tf.int32], stateful=True,
+                                              name="hostreduce_collective")
+        else:
+            op = tf.autograph.experimental.do_not_convert(op)
+            outs = tf.numpy_function(op, list(inputs), dtypes, stateful=True, name="hostreduce_collective")
+            if not isinstance(outs, (list, tuple)):
+                outs = [outs]
+    if chain is not None and outs and not tf.executing_eagerly():
+        chain.append(outs[0].op)
     result = []
     for out, shape in zip(outs, out_shapes):
         out.set_shape(shape)

@@ -6,6 +6,7 @@ gets SIGKILL, so no orphaned rank outlives the test.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -63,6 +64,32 @@ def mpi_skip_reason() -> str | None:
         mpirun_for("mpi")
     except Exception as exc:  # noqa: BLE001 - any failure means: skip, and say why
         return f"MPI not available: {type(exc).__name__}: {exc}"
+    return None
+
+
+HOROVOD_BUILD_HINT = "build it with scripts/build_horovod.sh"
+
+
+@functools.lru_cache(maxsize=None)
+def horovod_skip_reason() -> str | None:
+    """Why the 'horovod' engine cannot run here (Horovod not built, or no mpirun for its
+    MPI library), or None. Horovod is imported in a child process, so that this process
+    loads neither TensorFlow nor Horovod's MPI library."""
+    import importlib.util
+
+    if importlib.util.find_spec("horovod") is None:
+        return f"horovod not importable: No module named 'horovod'; {HOROVOD_BUILD_HINT}"
+    probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+        return f"horovod not importable: {lines[-1] if lines else 'exit ' + str(probe.returncode)}; {HOROVOD_BUILD_HINT}"
+    try:
+        from hostreduce.reducers.mpi.select import mpirun_for
+
+        mpirun_for("horovod")
+    except Exception as exc:  # noqa: BLE001
+        return f"horovod is installed but has no mpirun: {exc}"
     return None
 
 
