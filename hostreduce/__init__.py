@@ -14,7 +14,7 @@ from typing import Any
 from .cluster import ClusterSpec, cluster_from_resolver, resolve_cluster
 from .config import Config
 from .errors import (AuthenticationError, ClusterError, CollectiveTimeoutError, ConfigError,
-                     HostReduceError, PeerLostError, ReducerClosedError, SpecError,
+                     HostReduceError, JoinedRankError, PeerLostError, ReducerClosedError, SpecError,
                      TensorMismatchError, UnmatchedCollectiveError, UnsupportedCallError)
 from .reducers import Handle, ReduceOp, Reducer, available_reducers, create_reducer, register_reducer
 
@@ -42,7 +42,7 @@ _MODULES: tuple[str, ...] = (
 
 __all__ = [
     "AuthenticationError", "ClusterError", "ClusterSpec", "CollectiveTimeoutError", "Config",
-    "ConfigError", "Handle", "HostReduceError", "PeerLostError", "ReduceOp", "Reducer",
+    "ConfigError", "Handle", "HostReduceError", "JoinedRankError", "PeerLostError", "ReduceOp", "Reducer",
     "ReducerClosedError", "SpecError", "TensorMismatchError", "UnmatchedCollectiveError", "UnsupportedCallError",
     "available_reducers", "cluster_from_resolver", "create_reducer", "register_reducer", "resolve_cluster",
     *_LAZY,
