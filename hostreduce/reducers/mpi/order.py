@@ -26,7 +26,8 @@ part in every round, on the engine's thread, until every rank has joined: it sho
 themselves as above; when some rank has joined, the first of them then broadcasts what
 the chosen collective is (kind, dtype, shape, op), and every rank decides alike: an
 all-reduce runs with the joined ranks' zeros (a mean still divides by the
-communicator's size), a barrier with them, anything else fails with
+communicator's size), a barrier passes them (its round's all-gather is the barrier),
+anything else fails with
 ``JoinedRankError`` on the ranks that submitted it. Each of the joined rank's rounds
 waits at most the timeout. The round in which every rank shows "joined" ends the join;
 every rank returns the highest of the ranks that had not joined the round before (the
@@ -196,11 +197,9 @@ class Order:
             spec = self._spec(coll, rnd)
             if len({p for p in rnd.prints if p is not None}) > 1:  # they fail it as a mismatch
                 continue
-            if spec.get("kind") == "allreduce":
+            if spec.get("kind") == "allreduce":   # (a barrier is the round itself)
                 zeros = np.zeros(spec["shape"], as_dtype(spec["dtype"]))
                 coll.allreduce(zeros, ReduceOp.parse(spec["op"]), zeros)
-            elif spec.get("kind") == "barrier":
-                coll.barrier()
 
     def _spec(self, coll: Any, rnd: _Round) -> dict[str, Any]:
         """With joined ranks: what the chosen collective is, from the first rank that has

@@ -20,7 +20,7 @@ members call ``create_group``. Collectives of disjoint groups run concurrently.
 A rank that joins (``join``) keeps taking part in the world's negotiation on the
 engine's thread: the others' all-reduces and barriers run with its zeros, their other
 collectives fail with ``JoinedRankError``, until every rank has joined (``order.py``).
-The barrier is negotiated too, for that.
+The barrier is negotiated too, for that (the negotiation's all-gather is the barrier).
 
 A collective that times out raises ``CollectiveTimeoutError``; the MPI operation cannot
 be cancelled, so the reducer is unusable afterwards and later collectives fail at once.
@@ -256,8 +256,9 @@ class MPIReducer(Reducer):
         return self._worker.submit(name, lambda _: self._p2p.recv(name, shape, dtype, group.ranks[src]))
 
     def _barrier(self, timeout: float | None, group: Group) -> None:
-        # Negotiated like the rest, so that a joined rank takes part in it.
-        self._ordered("__barrier__", group, "barrier", np.zeros(0, np.uint8), None, lambda c: c.barrier(),
+        # Negotiated like the rest, so that a joined rank takes part in it: the round's
+        # all-gather, which completes once every rank has entered, is the barrier.
+        self._ordered("__barrier__", group, "barrier", np.zeros(0, np.uint8), None, lambda c: None,
                       {"kind": "barrier"}, timeout).wait()
 
     def _join(self, timeout: float | None) -> int:
