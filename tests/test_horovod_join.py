@@ -245,3 +245,28 @@ def test_horovod_join_under_mpirun_on_horovods_core() -> None:
     # One join per process: from the second on, Horovod 0.28.1's TensorFlow join is not
     # reliable on CPU (docs/guides/horovod_compatibility.md).
     _mpirun_join("horovod", "once")
+
+
+# ---------------------------------------------------------------- the ring's join under faults
+def test_a_peer_killed_while_the_other_has_joined_fails_the_join() -> None:
+    from hostreduce.testing import run_ranks_allow_failure
+    from tests.hvd_workers import join as worker
+
+    got = run_ranks_allow_failure(worker.ring_join_peer_killed, 2, timeout=120)
+    assert got[0] == "killed" and got[1] == "PeerLostError", got
+
+
+def test_a_peer_that_closes_without_joining_fails_the_join() -> None:
+    from hostreduce.testing import run_ranks
+    from tests.hvd_workers import join as worker
+
+    got = run_ranks(worker.ring_join_peer_closed, 2, timeout=120)
+    assert got[1] == "closed" and got[0].startswith("PeerLostError") and "[1]" in got[0], got
+
+
+def test_a_join_fails_when_the_others_run_nothing_for_the_timeout(tmp_path: Path) -> None:
+    from hostreduce.testing import run_ranks
+    from tests.hvd_workers import join as worker
+
+    assert run_ranks(worker.ring_join_stalls, 2, args=(str(tmp_path),), timeout=120) == ["waited",
+                                                                                          "CollectiveTimeoutError"]

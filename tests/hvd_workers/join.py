@@ -192,3 +192,64 @@ if __name__ == "__main__":
     total = rank_main_once(rank, size) if sys.argv[1:] == ["once"] else rank_main(rank, size)
     print(f"RESULT rank {rank}/{size}: checks={total}", flush=True)
     sys.exit(0)
+
+
+# ---------------------------------------------------------------- the ring's join under faults (no TensorFlow)
+def _ring(**overrides):
+    from hostreduce.cluster import resolve_cluster
+    from hostreduce.config import Config
+    from hostreduce.reducers import create_reducer
+
+    return create_reducer("ring", cluster=resolve_cluster(), config=Config.from_env(**overrides))
+
+
+def ring_join_peer_killed(rank: int, size: int) -> str:
+    """Rank 1 joins; rank 0 runs an all-reduce with its zeros, then is killed: the join
+    fails with PeerLostError."""
+    import signal
+
+    r = _ring()
+    if rank == 1:
+        try:
+            r.join()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return type(exc).__name__
+        return "joined"
+    got = r.allreduce("a", np.full(4, 3.0, np.float32))
+    assert got.tolist() == [3.0] * 4, got
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "not reached"
+
+
+def ring_join_peer_closed(rank: int, size: int) -> str:
+    """Rank 0 joins; rank 1 runs an all-reduce and closes without joining: the join
+    fails with PeerLostError naming rank 1."""
+    r = _ring()
+    if rank == 0:
+        try:
+            r.join()
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        return "joined"
+    assert r.allreduce("a", np.ones(2, np.int64), op="mean").tolist() == [0, 0]  # (1 + 0) // 2
+    r.close()
+    return "closed"
+
+
+def ring_join_stalls(rank: int, size: int, marks: str) -> str:
+    """Rank 1 joins; rank 0 runs nothing for longer than timeout_s: the join fails with
+    CollectiveTimeoutError, and rank 0 goes on once it has."""
+    from tests.marks import mark, wait_for_marks
+
+    r = _ring(timeout_s=1.0)
+    if rank == 1:
+        try:
+            r.join()
+        except Exception as exc:  # noqa: BLE001
+            outcome = type(exc).__name__
+        else:
+            outcome = "joined"
+        mark(marks, "join-ended")
+        return outcome
+    wait_for_marks(marks, ["join-ended"])
+    return "waited"
