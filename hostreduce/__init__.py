@@ -14,8 +14,8 @@ from typing import Any
 from .cluster import ClusterSpec, cluster_from_resolver, resolve_cluster
 from .config import Config
 from .errors import (AuthenticationError, ClusterError, CollectiveTimeoutError, ConfigError,
-                     HostReduceError, NonFiniteGradientError, PeerLostError, ReducerClosedError, RoleError,
-                     SpecError, TensorMismatchError, UnmatchedCollectiveError, UnsupportedCallError)
+                     HostReduceError, JoinedRankError, NonFiniteGradientError, PeerLostError, ReducerClosedError,
+                     RoleError, SpecError, TensorMismatchError, UnmatchedCollectiveError, UnsupportedCallError)
 from .reducers import Handle, ReduceOp, Reducer, available_reducers, create_reducer, register_reducer
 
 from .version import __version__
@@ -42,8 +42,9 @@ _MODULES: tuple[str, ...] = (
 
 __all__ = [
     "AuthenticationError", "ClusterError", "ClusterSpec", "CollectiveTimeoutError", "Config",
-    "ConfigError", "Handle", "HostReduceError", "NonFiniteGradientError", "PeerLostError", "ReduceOp", "Reducer",
-    "ReducerClosedError", "RoleError", "SpecError", "TensorMismatchError", "UnmatchedCollectiveError", "UnsupportedCallError",
+    "ConfigError", "Handle", "HostReduceError", "JoinedRankError", "NonFiniteGradientError", "PeerLostError",
+    "ReduceOp", "Reducer", "ReducerClosedError", "RoleError", "SpecError", "TensorMismatchError",
+    "UnmatchedCollectiveError", "UnsupportedCallError",
     "available_reducers", "cluster_from_resolver", "create_reducer", "register_reducer", "resolve_cluster",
     *_LAZY,
 ]

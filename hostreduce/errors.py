@@ -16,6 +16,7 @@ __all__ = [
     "AuthenticationError",
     "CollectiveTimeoutError",
     "UnmatchedCollectiveError",
+    "JoinedRankError",
     "ReducerClosedError",
     "SpecError",
     "CheckpointError",
@@ -66,6 +67,13 @@ class UnmatchedCollectiveError(CollectiveTimeoutError):
     """Every rank is waiting for a collective that some other rank has not submitted, so
     none can complete (e.g. ranks submitted different names). Raised on every rank as
     soon as that is known, instead of after the timeout."""
+
+
+class JoinedRankError(HostReduceError):
+    """A collective that cannot run while a rank of the job has joined (``join()``, Horovod's
+    ``hvd.join()``): only all-reduces (the joined rank contributes zeros) and barriers
+    do. Raised on every rank that submitted it, as Horovod refuses broadcasts,
+    all-gathers, all-to-alls and reduce-scatters then; the join itself goes on."""
 
 
 class ReducerClosedError(HostReduceError):

@@ -1,5 +1,5 @@
 """Horovod's Python-object collectives, in-place broadcasts, global-variable broadcast
-(TF1) and the ops that return the job's layout.
+(TF1), ``join`` and the ops that return the job's layout.
 
 ``broadcast_object`` / ``allgather_object`` pickle a Python object (with cloudpickle
 where it is installed, as Horovod does, else :mod:`pickle`) and move its bytes through
@@ -10,13 +10,15 @@ they are built in: hostreduce's layout is fixed when the job starts.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, HostReduceError, UnsupportedCallError
+from ..errors import ConfigError, HostReduceError
 from . import job as _engine
+from .collectives import on_host
 from .tf_errors import tf_errors
 from .process_sets import ProcessSet, find, global_process_set, group_of
 
@@ -201,11 +203,40 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
     return _constant(1 if process_set.included() else 0, name)
 
 
+@tf_errors
 def join() -> Any:
-    """Horovod's ``join`` (a rank out of data joins the others' collectives with zeros)
-    is not supported: hostreduce's engines need every rank to run each collective."""
-    raise UnsupportedCallError(
-        "hvd.join() is not supported by hostreduce.horovod: every rank must run the same collectives. Give every "
-        "rank the same number of steps instead (shard the data evenly, e.g. with dataset.shard(hvd.size(), "
-        "hvd.rank()).repeat() and a fixed steps_per_epoch, or drop the remainder). Received: hvd.join()"
-    )
+    """This rank has no more data: an int32 scalar op that waits until every rank has
+    joined and then gives the last rank to join (the same on every rank), as Horovod's
+    ``hvd.join()``. Eagerly it runs at once; in a graph, when the op runs.
+
+    Until every rank has joined, this rank takes part in the other ranks' all-reduces
+    of the whole job with zeros (``Average`` still divides by ``size()``) and in their
+    barriers; their broadcasts, all-gathers, all-to-alls and reduce-scatters fail with
+    ``tf.errors.FailedPreconditionError`` (``JoinedRankError``) on the ranks that run
+    them, as in Horovod. Process sets other than the whole job are not joined. The
+    join fails when a rank that has not joined is lost or closes, or when the ranks
+    that have not joined run no collective for ``timeout_s`` (see the engine's docs).
+    """
+    import tensorflow as tf
+
+    _engine.channel()
+
+    def run(reducer: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        last = reducer.join()
+        _agree_on_names(reducer)
+        return [np.asarray(last, np.int32)]
+
+    return on_host("join", run, [], [tf.int32], [tf.TensorShape([])])[0]
+
+
+def _agree_on_names(reducer: Any) -> None:
+    """After a join: the ranks that had not joined ran unnamed collectives eagerly that
+    the joined ones did not; every rank takes the highest count of each kind, so that
+    the next unnamed collective has the same name on every rank."""
+    payload = np.frombuffer(json.dumps(_engine.eager_counts(), sort_keys=True).encode(), np.uint8)
+    sizes = reducer.allgather("hvd.join.names.sz", np.array([payload.size], np.int64))
+    data = np.asarray(reducer.allgather("hvd.join.names", payload), np.uint8)
+    at = 0
+    for n in np.asarray(sizes).reshape(-1).tolist():
+        _engine.advance_eager_counts(json.loads(data[at:at + n].tobytes()))
+        at += n

@@ -27,7 +27,8 @@ from .sessions import make_room
 logger = logging.getLogger("hostreduce.horovod")
 
 __all__ = ["NotInitializedError", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
-           "local_size", "cross_rank", "cross_size", "channel", "collective_name", "Job", "job"]
+           "local_size", "cross_rank", "cross_size", "channel", "collective_name", "eager_counts",
+           "advance_eager_counts", "Job", "job"]
 
 
 class Job:
@@ -276,6 +277,21 @@ def collective_name(kind: str, name: str | None) -> str:
         counts = _graph_counts.setdefault(graph, {})
         count = counts[kind] = counts.get(kind, 0) + 1
         return f"hvd.{_graph_name(graph)}.{kind}.{count}"
+
+
+def eager_counts() -> dict[str, int]:
+    """How many unnamed collectives of each kind this process has run eagerly."""
+    with _names_lock:
+        return dict(_eager_counts)
+
+
+def advance_eager_counts(counts: dict[str, int]) -> None:
+    """Raise each kind's eager count to at least ``counts``'s: after a join, where the
+    ranks that had not joined ran collectives that the joined ones did not, every rank
+    takes the highest count so that the next unnamed collective has one name again."""
+    with _names_lock:
+        for kind, count in counts.items():
+            _eager_counts[kind] = max(_eager_counts.get(kind, 0), int(count))
 
 
 def _graph_name(graph: Any) -> str:

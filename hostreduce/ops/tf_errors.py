@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, TypeVar
 
-from ..errors import (CollectiveTimeoutError, ConfigError, HostReduceError, PeerLostError, ReducerClosedError,
-                      TensorMismatchError, UnmatchedCollectiveError, with_framework_type)
+from ..errors import (CollectiveTimeoutError, ConfigError, HostReduceError, JoinedRankError, PeerLostError,
+                      ReducerClosedError, TensorMismatchError, UnmatchedCollectiveError, with_framework_type)
 
 __all__ = ["as_tf_error", "tf_errors", "checked"]
 
@@ -22,6 +22,8 @@ _TYPES: tuple[tuple[type, str, str], ...] = (
     (TensorMismatchError, "FailedPreconditionError", "FAILED_PRECONDITION"),
     # Ranks submitted different collectives at this point: they disagree, as a mismatch.
     (UnmatchedCollectiveError, "FailedPreconditionError", "FAILED_PRECONDITION"),
+    # Horovod refuses a broadcast, all-gather, ... while a rank has joined as a precondition.
+    (JoinedRankError, "FailedPreconditionError", "FAILED_PRECONDITION"),
     (CollectiveTimeoutError, "DeadlineExceededError", "DEADLINE_EXCEEDED"),
     (PeerLostError, "UnavailableError", "UNAVAILABLE"),
     (ReducerClosedError, "AbortedError", "ABORTED"),
@@ -78,9 +80,9 @@ def checked(values: list[Any], status: Any, label: str) -> list[Any]:
     import tensorflow as tf
 
     message = (f"collective {label!r}: the ranks disagree on it (their shapes, dtypes, ops or roots differ, or "
-               "they ran other collectives at this point): TensorMismatchError or UnmatchedCollectiveError; this "
-               "rank's log has each rank's values. (hostreduce raises it as FailedPreconditionError, as Horovod "
-               "does)")
+               "they ran other collectives at this point, or a rank has joined and it is not an all-reduce): "
+               "TensorMismatchError, UnmatchedCollectiveError or JoinedRankError; this rank's log has each rank's "
+               "values. (hostreduce raises it as FailedPreconditionError, as Horovod does)")
 
     def fine() -> list[Any]:
         return [tf.identity(v) for v in values]

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ConfigError
 from .compression import divide16
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "check_array", "check_reducible", "check_out", "check_counts", "even_counts",
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "as_dtype", "check_array", "check_reducible", "check_out", "check_counts", "even_counts",
            "is_low_precision", "apply_mean"]
 
 
@@ -47,6 +47,14 @@ def _supported_dtypes() -> tuple[np.dtype, ...]:
 
 
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = _supported_dtypes()
+
+
+def as_dtype(name: str) -> np.dtype:
+    """The supported dtype whose ``str`` is ``name`` (bfloat16 included)."""
+    for dtype in SUPPORTED_DTYPES:
+        if str(dtype) == name:
+            return dtype
+    raise ConfigError(f"dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}. Received: dtype={name!r}")
 
 
 def check_array(name: Any, array: Any) -> np.ndarray:

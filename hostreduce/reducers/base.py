@@ -48,7 +48,8 @@ class Reducer(abc.ABC):
     ``_allgather_async`` (the array has at least one dimension), ``_reduce_scatter_async``,
     ``_reduce_async``, ``_alltoall_async``, ``_send_async``, ``_recv_async``,
     ``_barrier`` and ``_close``; ``_create_group``/``_destroy_group`` where a group needs
-    engine state. An engine with a faster path for a blocking all-reduce overrides
+    engine state; ``_join`` where the engine can run the job's all-reduces for a rank
+    that has run out of data. An engine with a faster path for a blocking all-reduce overrides
     ``_allreduce``; one that can cast inside its pipeline, ``_allreduce_wire_async`` (wire
     compression); one that can tell its peers why it stops overrides ``_close_failed``.
     """
@@ -247,6 +248,29 @@ class Reducer(abc.ABC):
                                     or timeout <= 0):
             raise ConfigError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
         self._barrier(timeout, self._group(group))
+
+    def join(self, timeout: float | None = None) -> int:
+        """This rank has no more data: block until every rank has joined, and return the
+        last rank to join (the same on every rank), as Horovod's ``hvd.join()``.
+
+        Until then this rank takes part in the other ranks' all-reduces of the whole job
+        with zeros of their shape and dtype (a ``mean`` still divides by the job's size)
+        and in their barriers; any other collective of the job submitted meanwhile fails
+        with ``JoinedRankError`` on the ranks that submitted it. Collectives of process
+        groups are not joined. ``timeout`` bounds the wait where the engine can (None:
+        the engine's own limits: a peer lost, or one that runs no collective for
+        ``timeout_s``, fails the join).
+        """
+        self._check_open()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ConfigError(f"`timeout` must be a number > 0 or None. Received: timeout={timeout!r}")
+        if self.size == 1:
+            return self.rank
+        return int(self._join(timeout))
+
+    def _join(self, timeout: float | None) -> int:
+        raise self._missing("join")
 
     # Blocking conveniences.
     def allreduce(self, name: str, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM,

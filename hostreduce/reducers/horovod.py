@@ -27,7 +27,10 @@ float16 travels and is reduced in 16 bits (Horovod's own float16 MPI operations 
 float32 and round back at each step). Horovod has no bfloat16: bfloat16 is reduced in
 float32 and rounded back once, so ``compression="bf16"`` saves nothing on this engine;
 broadcast, all-gather and all-to-all move 2-byte floats' bits unchanged. ``mean`` is a
-sum divided by the group's size afterwards (integers: floor division). A collective
+sum divided by the group's size afterwards (integers: floor division). ``join`` is
+Horovod's own (``hvd.join()``): Horovod's core adds the joined rank's zeros to the
+others' all-reduces (and so to barriers) and refuses their other collectives, which
+fail with ``JoinedRankError``; the mean still divides by the group's size. A collective
 that does not finish within ``config.timeout_s`` fails with ``CollectiveTimeoutError``;
 Horovod cannot cancel it, so the reducer is unusable afterwards. Closing the reducer
 does not shut Horovod down (it is process-wide).
@@ -49,7 +52,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ConfigError, HorovodUnavailableError, HostReduceError
+from ..errors import ConfigError, HorovodUnavailableError, HostReduceError, JoinedRankError
 from ._args import even_counts
 from .job_end import add_job_abort, exit_at_once
 from .mpi.collectives import finish_mean
@@ -264,6 +267,21 @@ class HorovodReducer(Reducer):
         self._submit(name, lambda _: self._run_allreduce(name, token, ReduceOp.SUM, None, group),
                             timeout).wait()
 
+    def _join(self, timeout: float | None) -> int:
+        """Horovod's own join: its core adds this rank's zeros to the others' all-reduces
+        until every rank has joined. It blocks the engine's thread meanwhile and waits as
+        long as Horovod does (a lost peer ends the job through MPI)."""
+        def run(_: Any) -> int:
+            # In a graph of its own: run eagerly, Horovod 0.28.1's join op returns at once,
+            # with the first join's result, from the second join of a process on.
+            tf = self._tf
+            with tf.Graph().as_default(), tf.device("/CPU:0"):
+                op = self._hvd.join()
+                with tf.compat.v1.Session() as session:
+                    return int(session.run(op))
+
+        return int(self._submit("join", run, float("inf")).wait(timeout))
+
     # ------------------------------------------------------------------ implementations
     def _reducible(self, arr: np.ndarray) -> np.ndarray:
         """What Horovod reduces: float16 as it is, bfloat16 (which Horovod lacks) in float32."""
@@ -346,7 +364,9 @@ def _translate(name: str, exc: BaseException) -> BaseException:
     except ImportError:  # pragma: no cover
         return exc
     if isinstance(exc, OpError):
-        error = HostReduceError(f"Collective {name!r} failed in Horovod: {exc.message}")
+        # Horovod refuses a broadcast, all-gather, ... while a rank has joined.
+        cls = JoinedRankError if "not supported with Join" in exc.message else HostReduceError
+        error = cls(f"Collective {name!r} failed in Horovod: {exc.message}")
         error.__cause__ = exc
         return error
     return exc

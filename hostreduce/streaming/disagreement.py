@@ -5,7 +5,8 @@ TensorFlow turns any exception raised in a Python op (``tf.numpy_function``) int
 ``tf.errors.UnknownError``, whatever its type. Horovod's ops raise
 ``tf.errors.FailedPreconditionError`` when ranks disagree on a tensor, in graphs too, and
 scripts catch it. So a host op built for a face's collective (``statuses=True``) does
-not raise a disagreement (``TensorMismatchError``, ``UnmatchedCollectiveError``): it
+not raise a disagreement (``TensorMismatchError``, ``UnmatchedCollectiveError``, or
+``JoinedRankError``: a collective that cannot run while a rank has joined): it
 logs the error, with every rank's values, and returns status 1 next to its outputs; the
 face then raises the typed error from a TensorFlow op (``hostreduce.ops.tf_errors``).
 Other errors are raised as before.
@@ -17,11 +18,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import TensorMismatchError, UnmatchedCollectiveError
+from ..errors import JoinedRankError, TensorMismatchError, UnmatchedCollectiveError
 
 __all__ = ["DISAGREEMENTS", "with_status"]
 
-DISAGREEMENTS = (TensorMismatchError, UnmatchedCollectiveError)
+DISAGREEMENTS = (TensorMismatchError, UnmatchedCollectiveError, JoinedRankError)
 _log = logging.getLogger("hostreduce.streaming")
 
 

@@ -155,9 +155,6 @@ class Collectives:
             [_bytes(result), (recv.tolist(), _displs(recv)), self.MPI.BYTE]))
         return result, received.astype(np.int32)
 
-    def barrier(self) -> None:
-        self.wait(self.comm.Ibarrier())
-
 
 def _flat(arr: np.ndarray) -> np.ndarray:
     """A contiguous array as flat elements (2-byte floats as uint16, their wire type)."""

@@ -17,6 +17,11 @@ send before it receives.
 A process group is an MPI sub-communicator made with ``MPI_Comm_create_group``: only its
 members call ``create_group``. Collectives of disjoint groups run concurrently.
 
+A rank that joins (``join``) keeps taking part in the world's negotiation on the
+engine's thread: the others' all-reduces and barriers run with its zeros, their other
+collectives fail with ``JoinedRankError``, until every rank has joined (``order.py``).
+The barrier is negotiated too, for that (the negotiation's all-gather is the barrier).
+
 A collective that times out raises ``CollectiveTimeoutError``; the MPI operation cannot
 be cancelled, so the reducer is unusable afterwards and later collectives fail at once.
 
@@ -46,7 +51,7 @@ import numpy as np
 from ...errors import ConfigError, HostReduceError, TensorMismatchError
 from ..job_end import add_job_abort, flush_std_streams
 from .collectives import Collectives
-from .order import Entry, Order, key_of
+from .order import JOIN_NAME, Entry, Order, key_of
 from .p2p import PointToPoint
 from .._serial import Deadline, SerialWorker
 from ..base import Group, Handle, ReduceOp, Reducer
@@ -193,26 +198,27 @@ class MPIReducer(Reducer):
         return self._coll if group is self.world else group.handle
 
     # ------------------------------------------------------------------ collectives
-    def _submit(self, name: str, group: Group, run: Callable[[Collectives], Any],
-                timeout: float | None = None) -> Handle:
-        coll = self._on(group)
-        return self._worker.submit(name, lambda deadline: self._under(deadline, lambda: run(coll)), timeout)
-
     def _ordered(self, name: str, group: Group, what: str, arr: np.ndarray, detail: str | None,
-                 run: Callable[[Collectives], Any]) -> Handle:
+                 run: Callable[[Collectives], Any], spec: dict[str, Any] | None = None,
+                 timeout: float | None = None) -> Handle:
         """``run`` when every rank of ``group`` runs this collective (``order.py``): ranks
         may submit in different orders. ``detail`` (op, root, counts) is compared with
-        the dtype and shape; None: only the kind (the collective compares its own)."""
+        the dtype and shape; None: only the kind (the collective compares its own).
+        ``spec``: what a joined rank needs to take part (default: only the kind)."""
         coll = self._on(group)
         fields = f"{what}|{arr.dtype.str}|{arr.dtype.name}|{arr.shape}|{detail}" if detail is not None else what
         describe = (f"{what} needs the same dtype and shape ({detail.split('=')[0] if detail else ''}) on every rank "
                     f"(here: dtype={arr.dtype}, shape={arr.shape}{', ' + detail if detail else ''})"
                     if detail is not None else f"{what} differs")
         handle = Handle(name)
-        self._order.add(coll, Entry(name, key_of(fields), describe, run, handle))
-        drive = self._worker.submit(name, lambda deadline: self._under(deadline, lambda: self._order.drive(coll, deadline)))
-        drive.add_done_callback(self._after_drive)
+        self._order.add(coll, Entry(name, key_of(fields), describe, run, handle, spec=spec or {"kind": what}))
+        self._drive(coll, name, timeout)
         return handle
+
+    def _drive(self, coll: Collectives, name: str, timeout: float | None = None) -> None:
+        drive = self._worker.submit(name, lambda deadline: self._under(deadline, lambda: self._order.drive(coll, deadline)),
+                                    timeout)
+        drive.add_done_callback(self._after_drive)
 
     def _after_drive(self, drive: Handle) -> None:
         """A drive that failed left the engine unusable (or closed): nothing pending runs."""
@@ -223,7 +229,8 @@ class MPIReducer(Reducer):
 
     def _allreduce_async(self, name: str, arr: np.ndarray, op: ReduceOp, out: np.ndarray | None,
                          group: Group) -> Handle:
-        return self._ordered(name, group, "all-reduce", arr, f"op={op.value}", lambda c: c.allreduce(arr, op, out))
+        return self._ordered(name, group, "all-reduce", arr, f"op={op.value}", lambda c: c.allreduce(arr, op, out),
+                             {"kind": "allreduce", "dtype": str(arr.dtype), "shape": list(arr.shape), "op": op.value})
 
     def _broadcast_async(self, name: str, arr: np.ndarray, root: int, group: Group) -> Handle:
         return self._ordered(name, group, "broadcast", arr, f"root={root}", lambda c: c.broadcast(arr, root))
@@ -249,7 +256,18 @@ class MPIReducer(Reducer):
         return self._worker.submit(name, lambda _: self._p2p.recv(name, shape, dtype, group.ranks[src]))
 
     def _barrier(self, timeout: float | None, group: Group) -> None:
-        self._submit("barrier", group, lambda c: c.barrier(), timeout).wait()
+        # Negotiated like the rest, so that a joined rank takes part in it: the round's
+        # all-gather, which completes once every rank has entered, is the barrier.
+        self._ordered("__barrier__", group, "barrier", np.zeros(0, np.uint8), None, lambda c: None,
+                      {"kind": "barrier"}, timeout).wait()
+
+    def _join(self, timeout: float | None) -> int:
+        # The engine's thread takes part in the others' rounds from this rank's turn on
+        # until every rank has joined (order.py); each round waits at most timeout_s.
+        handle = Handle(JOIN_NAME)
+        self._order.add(self._coll, Entry(JOIN_NAME, 0, "join", lambda c: None, handle, join=True))
+        self._drive(self._coll, JOIN_NAME)
+        return int(handle.wait(timeout))
 
     # ------------------------------------------------------------------ machinery
     def _under(self, deadline: Deadline, run: Callable[[], Any]) -> Any:

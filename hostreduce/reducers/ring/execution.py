@@ -13,6 +13,11 @@ pending table and then owns their handles: whatever happens, it completes them. 
 that fails other than as planned (a lost peer, an engine bug) fails the job, since this
 rank can no longer keep step with the others.
 
+A rank that has joined runs the job's all-reduces that list it in ``joined`` on zeros
+of the announced dtypes and shapes (it submitted none of them: they have no entry
+here), passes the barriers that list it, and its join completes with the ``Joined``
+step.
+
 When rank 0 closes its reducer, no plan can come any more: what is still pending fails
 once every plan rank 0 sent before its goodbye has run.
 """
@@ -25,18 +30,20 @@ from typing import Callable, Union
 
 import numpy as np
 
-from ...errors import (CollectiveTimeoutError, HostReduceError, PeerLostError, TensorMismatchError,
+from ...errors import (CollectiveTimeoutError, HostReduceError, JoinedRankError, PeerLostError, TensorMismatchError,
                        UnmatchedCollectiveError)
+from .._args import as_dtype
+from ..base import Handle, ReduceOp
 from .datapath import DataPath
-from .messages import (AllGather, AllReduce, AllToAll, Barrier, Broadcast, Cause, Fail, P2P, Reduce, ReduceScatter,
-                       Step, step_ranks)
+from .messages import (AllGather, AllReduce, AllToAll, Barrier, Broadcast, Cause, Fail, Joined, P2P, Reduce,
+                       ReduceScatter, Step, step_ranks)
 from .pending import Pending, PendingTable
 
 __all__ = ["Execution"]
 
 _FAILURES: dict[Cause, type[HostReduceError]] = {
     Cause.MISMATCH: TensorMismatchError, Cause.DEPARTED: PeerLostError, Cause.UNMATCHED: UnmatchedCollectiveError,
-    Cause.STALL: CollectiveTimeoutError,
+    Cause.STALL: CollectiveTimeoutError, Cause.JOINED: JoinedRankError,
 }
 
 
@@ -55,10 +62,12 @@ _Queued = Union[list[Step], _Goodbye, None]
 
 class Execution:
     def __init__(self, rank: int, size: int, timeout_s: float, table: PendingTable, *,
-                 fail: Callable[..., None], explain_os_error: Callable[[OSError], BaseException]) -> None:
+                 fail: Callable[..., None], explain_os_error: Callable[[OSError], BaseException],
+                 joined_barrier: Callable[[], None] = lambda: None) -> None:
         self._rank, self._size, self._timeout = rank, size, timeout_s
         self._table = table
         self._fail, self._explain_os_error = fail, explain_os_error
+        self._joined_barrier = joined_barrier   # this rank passed a barrier of the job as joined
         self._data: DataPath | None = None
         self._inline = False
         self._plans: "queue.SimpleQueue[_Queued]" = queue.SimpleQueue()
@@ -114,6 +123,10 @@ class Execution:
                 if ranks and self._rank not in ranks:
                     continue
                 entries = self._table.take(step.names)
+                if isinstance(step, (AllReduce, Barrier)) and self._rank in step.joined:
+                    entries = self._as_joined(step, entries)
+                    if not entries:   # a barrier this rank passes as joined
+                        continue
                 self._execute(step, entries)
             except Exception as e:  # an engine bug must not leave ranks hanging
                 if isinstance(e, HostReduceError):
@@ -125,6 +138,23 @@ class Execution:
                 self._fail(err)
                 for p in entries:
                     p.handle.set_error(err)
+
+    def _as_joined(self, step: AllReduce | Barrier, entries: list[Pending]) -> list[Pending]:
+        """The entries of a step that lists this rank as joined: zeros for every tensor of
+        an all-reduce that this rank did not submit; none for a barrier."""
+        if isinstance(step, Barrier):
+            self._joined_barrier()
+            return entries
+        held = {p.handle.name: p for p in entries}
+        op = ReduceOp.parse(step.op)
+        out = []
+        for name, (dtype, shape) in zip(step.names, step.zeros):
+            p = held.get(name)
+            if p is None:
+                zeros = np.zeros(shape, as_dtype(dtype))
+                p = Pending("allreduce", zeros, zeros, op, 0, Handle(name))  # type: ignore[arg-type]
+            out.append(p)
+        return out
 
     def _failed(self, step: Fail) -> None:
         if step.cause is Cause.LOST:  # a rank stopped answering: the job cannot go on
@@ -146,6 +176,10 @@ class Execution:
             raise PeerLostError(f"Rank {self._rank}: plan names collectives {step.names} not pending here")
         data = self._data
         assert data is not None
+        if isinstance(step, Joined):
+            for p in entries:
+                p.handle.set_result(step.last)
+            return
         if isinstance(step, Barrier):
             entries[0].handle.set_result(None)
             return

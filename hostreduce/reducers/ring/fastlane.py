@@ -160,7 +160,7 @@ class FastLane:
                 table.admit(name, Pending("allreduce", arr, out, op, 0, handle), negotiated=False)
                 self.busy = True
         if not fast:
-            return self._await_negotiated(self._submit(name, arr, op, out))
+            return self.await_negotiated(self._submit(name, arr, op, out))
         try:
             key = lane_key(name, arr, op)
             self._run(name, arr, op, key, self._enter(key), handle)
@@ -175,7 +175,7 @@ class FastLane:
                 held = self._release(announce=table.error is None)
             for entry in held:
                 self._control.announce(entry, False)
-        return self._await_negotiated(handle)
+        return self.await_negotiated(handle)
 
     def _run(self, name: str, arr: np.ndarray, op: ReduceOp, key: int, seq: int, handle: PendingHandle) -> None:
         table = self._table
@@ -197,7 +197,7 @@ class FastLane:
             table.count_negotiated(handle)
         self._control.announce(self._control.entry(name, "allreduce", arr, op, 0), True)
 
-    def _await_negotiated(self, handle: PendingHandle) -> np.ndarray:
+    def await_negotiated(self, handle: PendingHandle) -> np.ndarray:
         """Wait for a collective that may go through rank 0. Meanwhile a peer may wait on
         the lane for this rank's word of the next round: post "slow" for it at once."""
         table = self._table

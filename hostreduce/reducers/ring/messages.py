@@ -13,11 +13,17 @@ malformed message fails as a ``ValueError`` where it is read.
 
 A collective is described by an ``Entry`` (what a rank submitted) and planned as a
 step (``AllReduce``, ``Broadcast``, ``AllGather``, ``ReduceScatter``, ``Reduce``,
-``AllToAll``, ``P2P``, ``Barrier`` or ``Fail``) that every rank taking part runs in the
-order of the plan; a step names its ``group`` (world ranks; empty: the world) and
+``AllToAll``, ``P2P``, ``Barrier``, ``Joined`` or ``Fail``) that every rank taking part
+runs in the order of the plan; a step names its ``group`` (world ranks; empty: the world) and
 carries ``sid``, the coordinator's number for it, which tags its data frames (ranks
 skip the steps of groups they are not in, so no per-rank count could). The coordinator (``negotiation.py``) works on
 entries and plain plan items; ``steps`` turns its items into steps, once, on rank 0.
+
+A rank that has joined (``Reducer.join``) announces an entry of kind "join" and then
+takes part in the job's all-reduces it never submitted: their steps list it in
+``joined`` and carry each tensor's dtype and shape (``zeros``) and the op, so that it
+adds zeros. Once every rank has joined, a ``Joined`` step ends every rank's join with
+the last rank to join.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import numpy as np
 
 __all__ = [
     "Entry", "PlanItem", "Cause", "AllReduce", "Broadcast", "AllGather", "ReduceScatter", "Reduce", "AllToAll",
-    "P2P", "Barrier", "Fail", "Step", "step_ranks",
+    "P2P", "Barrier", "Joined", "Fail", "Step", "step_ranks", "JOIN_NAME",
     "Beat", "Join", "Welcome", "Ready", "Blocked", "Plan", "Departed", "PeerFailure", "Message",
     "steps", "encode", "decode", "encode_split",
 ]
@@ -44,7 +50,7 @@ class Entry(TypedDict):
 
     name: str
     kind: str           # "allreduce", "broadcast", "allgather", "reducescatter", "reduce", "alltoall",
-                        # "send", "recv" or "barrier"
+                        # "send", "recv", "barrier" or "join"
     dtype: str
     shape: list[int]
     op: str
@@ -69,6 +75,10 @@ class PlanItem(TypedDict, total=False):
     splits: list[list[int]]   # all-to-all: every rank's splits, in group-rank order
     src: int            # send/receive: the world ranks of the pair
     dst: int
+    joined: list[int]   # all-reduce, barrier: joined ranks that take part without an entry
+    zeros: list[list[Any]]   # all-reduce with joined ranks: each name's [dtype, shape]
+    op: str             # all-reduce with joined ranks: the op
+    last: int           # join: the last rank to join
     etype: str          # error: a Cause value
     ranks: list[int]    # error: the ranks that fail
     error: str
@@ -82,6 +92,7 @@ class Cause(str, enum.Enum):
     DEPARTED = "departed"      # a rank that must take part closed its reducer
     UNMATCHED = "unmatched"    # every rank waits for a collective some other rank lacks
     STALL = "stall"            # some ranks never submitted it within the timeout
+    JOINED = "joined"          # a rank has joined, and it is not an all-reduce or barrier
     LOST = "lost"              # a rank stopped answering: the job cannot go on
 
 
@@ -92,6 +103,9 @@ class AllReduce:
     parts: dict[str, list[Any]] | None = field(default=None, compare=False)  # rank 0 only; never sent
     group: tuple[int, ...] = ()  # world ranks; empty: the world
     sid: int = 0
+    joined: tuple[int, ...] = ()   # ranks that add zeros: they submitted none of ``names``
+    zeros: list[list[Any]] = field(default_factory=list)   # each name's [dtype, shape], for them
+    op: str = ""                   # the op, for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +159,15 @@ class P2P:
 class Barrier:
     names: list[str]
     group: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()   # ranks that pass it without having entered it
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """Every rank has joined: their joins return ``last``."""
+
+    names: list[str]
+    last: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +178,10 @@ class Fail:
     error: str
 
 
-Step = Union[AllReduce, Broadcast, AllGather, ReduceScatter, Reduce, AllToAll, P2P, Barrier, Fail]
+Step = Union[AllReduce, Broadcast, AllGather, ReduceScatter, Reduce, AllToAll, P2P, Barrier, Joined, Fail]
+
+# The name every rank's join has while it waits.
+JOIN_NAME = "__join__"
 
 
 def step_ranks(step: Step) -> tuple[int, ...] | list[int]:
@@ -164,6 +190,8 @@ def step_ranks(step: Step) -> tuple[int, ...] | list[int]:
         return (step.src, step.dst)
     if isinstance(step, Fail):
         return step.ranks
+    if isinstance(step, Joined):
+        return ()
     return step.group
 
 
@@ -172,14 +200,17 @@ def _g(it: PlanItem) -> dict[str, Any]:
 
 
 _FROM_ITEM: dict[str, Callable[[PlanItem], Step]] = {
-    "allreduce": lambda it: AllReduce(it["names"], it.get("gather", False), it.get("_parts"), **_g(it)),
+    "allreduce": lambda it: AllReduce(it["names"], it.get("gather", False), it.get("_parts"), **_g(it),
+                                      joined=tuple(it.get("joined", ())), zeros=it.get("zeros", []),
+                                      op=it.get("op", "")),
     "broadcast": lambda it: Broadcast(it["names"], **_g(it)),
     "allgather": lambda it: AllGather(it["names"], it["counts"], **_g(it)),
     "reducescatter": lambda it: ReduceScatter(it["names"], it["counts"], **_g(it)),
     "reduce": lambda it: Reduce(it["names"], it["root"], **_g(it)),
     "alltoall": lambda it: AllToAll(it["names"], it["splits"], **_g(it)),
     "p2p": lambda it: P2P(it["names"], it["src"], it["dst"], it.get("sid", 0)),
-    "barrier": lambda it: Barrier(it["names"], tuple(it.get("group", ()))),
+    "barrier": lambda it: Barrier(it["names"], tuple(it.get("group", ())), tuple(it.get("joined", ()))),
+    "join": lambda it: Joined(it["names"], it["last"]),
     "error": lambda it: Fail(Cause(it["etype"]), it["names"], it["ranks"], it["error"]),
 }
 
@@ -267,7 +298,8 @@ class PeerFailure:
 Message = Union[Beat, Join, Welcome, Ready, Blocked, Plan, Departed, PeerFailure]
 
 _MESSAGES: tuple[type, ...] = (Beat, Join, Welcome, Ready, Blocked, Plan, Departed, PeerFailure)
-_STEPS: tuple[type, ...] = (AllReduce, Broadcast, AllGather, Barrier, Fail, ReduceScatter, Reduce, AllToAll, P2P)
+_STEPS: tuple[type, ...] = (AllReduce, Broadcast, AllGather, Barrier, Fail, ReduceScatter, Reduce, AllToAll, P2P,
+                           Joined)
 _CODE = {cls: i + 1 for i, cls in enumerate(_MESSAGES)}
 _STEP_CODE = {cls: i + 1 for i, cls in enumerate(_STEPS)}
 _PREFIX = struct.Struct("<BI")
@@ -347,8 +379,9 @@ def _step(head: list[Any]) -> Step:
     if cls is Fail:
         return Fail(Cause(head[1]), *head[2:])
     fields = dict(zip(_STEP_NAMES[cls], head[1:]))
-    if "group" in fields:
-        fields["group"] = tuple(fields["group"])   # as the plan's steps hold it
+    for tupled in ("group", "joined"):
+        if tupled in fields:
+            fields[tupled] = tuple(fields[tupled])   # as the plan's steps hold it
     return cls(**fields)
 
 

@@ -25,6 +25,17 @@ fails with one message naming each rank's pending names, instead of after the ti
 Collectives that are merely not matched yet (a rank that will submit them later, and
 is not waiting) are never reported this way.
 
+A rank out of data joins (an entry of kind "join", after everything it announced
+before): from then on it counts as having announced every collective of the whole job
+(the world group; process groups are not joined, as in Horovod). An all-reduce that
+every other rank announced is planned with the joined ranks listed, with each tensor's
+dtype and shape and the op, so that they add zeros (a mean still divides by the job's
+size); a barrier passes them; any other collective fails on the ranks that submitted
+it (``Cause.JOINED``), as Horovod refuses it. When the last rank joins, a "join" item
+returns it to every rank and the job is no longer joined. The join fails like a
+collective: when a rank that has not joined closes its reducer, or when the ranks that
+have not joined announce nothing for the timeout (or one stops answering).
+
 Pure logic: no threads or sockets, so it is tested directly.
 """
 from __future__ import annotations
@@ -34,7 +45,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .messages import Entry, Join, PlanItem, Welcome
+from .messages import JOIN_NAME, Entry, Join, PlanItem, Welcome
 
 __all__ = ["Coordinator", "describe", "decide_data_path"]
 
@@ -88,6 +99,10 @@ class Coordinator:
         self._stuck_since: float | None = None
         self._settle = settle_s
         self._sid = 0
+        # The ranks that have joined, in the order they did, and when a rank last
+        # announced anything while some had.
+        self._joined: list[int] = []
+        self._join_activity = 0.0
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys and slots
@@ -112,6 +127,13 @@ class Coordinator:
             del self._by_name[key[0]]
         return slot
 
+    def _complete(self, key: _Key, slot: dict[int, _Described]) -> bool:
+        """Whether every member announced ``key`` (a joined rank counts for the world's)."""
+        covered = set(slot)
+        if self._joined and key[1] == self._world:
+            covered.update(self._joined)
+        return all(m in covered for m in self._members(key))
+
     def _holds(self, rank: int, name: str) -> bool:
         """Whether ``rank`` has announced ``name`` (on any group) and it is not planned."""
         return any(rank in self._table[k] for k in self._by_name.get(name, ()))
@@ -123,7 +145,16 @@ class Coordinator:
             self._stuck_since = None
             items: list[PlanItem] = []
             complete: list[_Key] = []
+            joined_now = False
+            if self._joined:
+                self._join_activity = self._clock()
             for e in entries:
+                if e["kind"] == "join":
+                    if rank not in self._joined:
+                        self._joined.append(rank)
+                    self._join_activity = self._clock()
+                    joined_now = True
+                    continue
                 key = self._key(rank, e)
                 if self._poison_hit(key, rank, items):
                     continue
@@ -134,10 +165,15 @@ class Coordinator:
                 slot[rank] = describe(e)
                 if self._group_clash(key, rank, items):
                     continue
-                if len(slot) == len(self._members(key)):
+                if self._complete(key, slot):
                     complete.append(key)
+            if joined_now:  # what waited only for the ranks that joined now
+                complete += [k for k, slot in self._table.items() if k not in complete and self._complete(k, slot)]
             if complete:
                 items += self._plan(complete)
+            if joined_now and len(self._joined) == self.size:
+                items.append({"kind": "join", "names": [JOIN_NAME], "last": self._joined[-1]})
+                self._joined = []
             if items:
                 self._send(items)
             if self._departed:
@@ -194,7 +230,8 @@ class Coordinator:
         other rank has not submitted (and has for ``settle_s``)."""
         with self._lock:
             stuck = len(self._blocked) == self.size and all(
-                self._holds(rank, name) for rank, name in self._blocked.items())
+                self._holds(rank, name) or (name == JOIN_NAME and rank in self._joined)
+                for rank, name in self._blocked.items())
             if not stuck:
                 self._stuck_since = None
                 return
@@ -205,7 +242,8 @@ class Coordinator:
             if now - self._stuck_since < self._settle:
                 return
             pending = {r: sorted({k[0] for k, slot in self._table.items() if r in slot}) for r in range(self.size)}
-            waits = ", ".join(f"rank {r} waits for {_some(names)}" for r, names in pending.items())
+            waits = ", ".join(f"rank {r} has joined" if r in self._joined else f"rank {r} waits for {_some(names)}"
+                              for r, names in pending.items())
             names = sorted({k[0] for k in self._table})
             for key in list(self._table):
                 self._pop(key)
@@ -227,6 +265,13 @@ class Coordinator:
 
     def _fail_waiting_on_departed(self) -> None:
         items = []
+        gone = sorted(self._departed - set(self._joined))
+        if self._joined and gone:
+            items.append({
+                "kind": "error", "etype": "departed", "names": [JOIN_NAME], "ranks": sorted(self._joined),
+                "error": f"The join cannot complete: ranks {gone} closed their reducers without joining",
+            })
+            self._joined = []
         for key in [k for k, slot in self._table.items() if (self._departed & set(self._members(k))) - set(slot)]:
             slot = self._pop(key)
             gone = sorted((self._departed & set(self._members(key))) - set(slot))
@@ -262,6 +307,17 @@ class Coordinator:
                     "error": (f"Collective {name!r} was submitted by ranks {sorted(slot)} but not by ranks "
                               f"{missing} within {self._timeout} s (every rank must submit the same collectives)"),
                 })
+            if self._joined and now - self._join_activity > self._timeout:
+                joined = sorted(self._joined)
+                waiting = [r for r in range(self.size) if r not in joined]
+                self._joined = []
+                why = not_answering(waiting) if not_answering is not None else None
+                items.append({
+                    "kind": "error", "etype": "lost" if why is not None else "stall", "names": [JOIN_NAME],
+                    "ranks": joined,
+                    "error": why or (f"Ranks {joined} joined, but ranks {waiting} neither joined nor submitted a "
+                                     f"collective within {self._timeout} s"),
+                })
             if items:
                 self._send(items)
 
@@ -276,20 +332,26 @@ class Coordinator:
         bucket_bytes = 0
         bucket_group: list[int] = []
         parts: dict[str, list[Any]] = {}
+        zeros: list[list[Any]] = []   # with joined ranks: each name's dtype and shape
 
         def flush() -> None:
-            nonlocal bucket, bucket_key, bucket_bytes, parts
+            nonlocal bucket, bucket_key, bucket_bytes, parts, zeros
             if bucket:
                 item: PlanItem = {"kind": "allreduce", "names": bucket, "sid": self._next_sid()}
                 if bucket_group:
                     item["group"] = bucket_group
+                if zeros:
+                    assert bucket_key is not None
+                    item["joined"] = list(bucket_key[4])
+                    item["zeros"] = zeros
+                    item["op"] = bucket_key[1]
                 if parts:
                     # Every rank sent its data with the announcement: rank 0 reduces and
                     # sends the result back (keys starting with "_" stay on rank 0).
                     item["gather"] = True
                     item["_parts"] = parts
                 items.append(item)
-            bucket, bucket_key, bucket_bytes, parts = [], None, 0, {}
+            bucket, bucket_key, bucket_bytes, parts, zeros = [], None, 0, {}, []
 
         for key in keys:
             if key not in self._table:  # failed meanwhile
@@ -297,14 +359,23 @@ class Coordinator:
             name, group, pair = key
             slot = self._pop(key)
             members = self._members(key)
-            ref = slot[members[0]]
-            error = self._mismatch(name, slot, members, "p2p" if pair is not None else None)
+            present = tuple(r for r in members if r in slot)
+            absent = [r for r in members if r not in slot]   # joined ranks
+            ref = slot[present[0]]
+            error = self._mismatch(name, slot, present, "p2p" if pair is not None else None)
             if error is not None:
                 flush()
                 items.append({"kind": "error", "etype": "mismatch", "names": [name],
                               "ranks": sorted(slot), "error": error})
                 continue
             kind = ref["kind"]
+            if absent and (pair is not None or kind not in ("allreduce", "barrier")):
+                flush()
+                items.append({"kind": "error", "etype": "joined", "names": [name], "ranks": sorted(slot),
+                              "error": (f"Collective {name!r} ({'send/receive' if pair is not None else kind}) cannot "
+                                        f"run while ranks {absent} have joined: only all-reduces and barriers of the "
+                                        "whole job run with joined ranks (as in Horovod)")})
+                continue
             glist = [] if group == self._world else list(group)
             if pair is not None:
                 flush()
@@ -318,6 +389,8 @@ class Coordinator:
                     item["group"] = glist
                 if kind != "barrier":
                     item["sid"] = self._next_sid()
+                elif absent:
+                    item["joined"] = absent
                 if kind == "allgather":
                     item["counts"] = [slot[r]["shape"][0] if slot[r]["shape"] else 1 for r in members]
                 elif kind == "reducescatter":
@@ -329,8 +402,8 @@ class Coordinator:
                 items.append(item)
                 continue
             # Only the world's small all-reduces go through rank 0 (it may not be a member).
-            gathered = not glist and all("_data" in slot[r] for r in members)
-            fuse = (ref["dtype"], ref["op"], gathered, group)
+            gathered = not glist and not absent and all("_data" in slot[r] for r in members)
+            fuse = (ref["dtype"], ref["op"], gathered, group, tuple(absent))
             nbytes = ref["nbytes"]
             limit = self.gather_threshold if gathered else self.fusion_threshold
             if bucket and (fuse != bucket_key or bucket_bytes + nbytes > limit):
@@ -339,6 +412,8 @@ class Coordinator:
             bucket_key = fuse
             bucket_group = glist
             bucket_bytes += nbytes
+            if absent:
+                zeros.append([ref["dtype"], list(ref["shape"])])
             if gathered:
                 parts[name] = [slot[r]["_data"] for r in members]
         flush()

@@ -36,7 +36,7 @@ from .datapath import DataPath
 from .execution import Execution
 from .fastlane import FastLane
 from .liveness import Liveness, NamingLink, Watchdog
-from .messages import Beat, Blocked, Departed, Join, Message, Plan, Ready, Welcome, decode, encode
+from .messages import JOIN_NAME, Beat, Blocked, Departed, Join, Message, Plan, Ready, Welcome, decode, encode
 from .pending import Pending, PendingHandle, PendingTable
 from .startup import Paths, Startup
 
@@ -85,7 +85,8 @@ class RingReducer(Reducer):
         self._paths = paths = Paths()
         self._live = live = Liveness(rank, size, cfg.timeout_s, table)
         self._execution = Execution(rank, size, cfg.timeout_s, table, fail=self._fail,
-                                    explain_os_error=live.explain_os_error)
+                                    explain_os_error=live.explain_os_error,
+                                    joined_barrier=lambda: self._count_barrier(self.world))
         self._control = Control(rank, size, cfg, paths, table, run_plan=self._execution.accept, fail=self._fail)
         self._startup = Startup(rank, size, tuple(self._cluster.addresses), cfg, paths, live,
                                 on_message=self._on_payload, on_local=self._on_local,
@@ -199,12 +200,26 @@ class RingReducer(Reducer):
         # The array received into: announced for its shape and dtype, then filled.
         return self._submit(name, "recv", np.empty(shape, dtype), None, ReduceOp.SUM, src, group)
 
-    def _barrier(self, timeout: float | None, group: Group) -> None:
+    def _count_barrier(self, group: Group) -> int:
+        """The number of ``group``'s barrier that this rank enters (or passes as joined)."""
         count = self._barriers[group.key] = self._barriers.get(group.key, 0) + 1
+        return count
+
+    def _barrier(self, timeout: float | None, group: Group) -> None:
+        count = self._count_barrier(group)
         where = "" if group.size == self._size else f"{group.key}/"
         handle = self._submit(f"__barrier__/{where}{count}", "barrier", np.zeros(0, np.float32), None,
                               ReduceOp.SUM, 0, group)
         handle.wait(timeout if timeout is not None else self._config.timeout_s * 2)
+
+    def _join(self, timeout: float | None) -> int:
+        # Announced after everything this rank announced before; rank 0 plans the job's
+        # all-reduces with this rank's zeros until every rank has joined (negotiation.py).
+        handle = self._submit(JOIN_NAME, "join", np.zeros(0, np.float32), None, ReduceOp.SUM, 0)
+        if self._lane is not None and timeout is None:
+            # Peers that try the fast lane meanwhile find this rank's "slow" word at once.
+            return int(self._lane.await_negotiated(handle))
+        return int(handle.wait(timeout))
 
     # ------------------------------------------------------------------ incoming
     def _on_payload(self, src: int, payload: memoryview) -> None:
