@@ -237,9 +237,9 @@ def test_horovod_join_under_mpirun_on_the_mpi_engine() -> None:
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_horovod_join_under_mpirun_on_horovods_core() -> None:
-    from tests.test_horovod_reducer import horovod_missing
+    from tests.mpi_workers.mpi_launch import horovod_skip_reason
 
-    reason = horovod_missing()
+    reason = horovod_skip_reason()
     if reason:
         pytest.skip(reason)
     # One join per process: from the second on, Horovod 0.28.1's TensorFlow join is not
