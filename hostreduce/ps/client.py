@@ -6,6 +6,10 @@ Rows: the ids of a lookup are made unique first, routed to the ps that hold them
 a gradient's duplicate rows are summed before they are sent. Traffic is thus one row
 per distinct id of the batch, whatever the size of the table.
 
+A session is bound to the connection that logged in (``handshake.py``): when a channel
+reconnects, the ps refuses the next call unread and the client logs in again on the new
+connection and repeats it, once. :meth:`close` ends the sessions.
+
 Every call has a deadline of ``timeout_s``; a ps that dies or stops answering raises
 PeerLostError naming its task and address at once (a closed connection) or at the
 deadline (a hung one); the calls still in flight to the other ps are abandoned
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from typing import Any, Mapping, Sequence
 
@@ -25,7 +30,7 @@ from ..errors import ConfigError, PeerLostError
 from ..transport.grpc_options import grpc_options
 from . import checkpoint, wire
 from .calls import CallThreads
-from .handshake import SESSION_KEY, login
+from .handshake import REBIND, SESSION_KEY, login
 from .optimizers import HostOptimizer
 from .placement import DEFAULT_SHARD_BYTES, Placement, VarSpec, place
 from .rows import sum_duplicates
@@ -51,6 +56,8 @@ class PSClient:
         self._meta: list[tuple] = []
         self._channels: list[Any] = []
         self._threads = CallThreads(f"hostreduce-ps-client{rank}")
+        self._login_lock = threading.Lock()
+        self.logins = 0  # how many times this client logged in (once per ps, and once per reconnection)
         self._connect(connect_timeout_s)
 
     # ------------------------------------------------------------------ plumbing
@@ -61,10 +68,31 @@ class PSClient:
         for m, addr in enumerate(self.addresses):
             channel = grpc.insecure_channel(addr, options=grpc_options(self.timeout_s))
             self._channels.append(channel)
-            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline,
-                          num_ps=len(self.addresses))
-            self._meta.append(((SESSION_KEY, token),))
+            self._meta.append(self._login(m, channel, deadline))
             self._stubs.append({n: channel.unary_unary(f"/{wire.SERVICE}/{n}") for n in wire.METHODS})
+
+    def _login(self, m: int, channel: Any, deadline: float) -> tuple:
+        token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, self.addresses[m],
+                      deadline, num_ps=len(self.addresses))
+        self.logins += 1
+        return ((SESSION_KEY, token),)
+
+    def _invoke(self, m: int, method: str, request: bytes, timeout: float) -> bytes:
+        """One call to ps ``m``; when its channel has reconnected since the login (the ps
+        refused the session unread), log in again there and repeat the call once."""
+        import grpc
+
+        meta = self._meta[m]
+        try:
+            return self._stubs[m][method](request, timeout=timeout, metadata=meta)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED or REBIND not in (e.details() or ""):
+                raise
+        with self._login_lock:
+            if self._meta[m] is meta:  # not renewed by another call meanwhile
+                self._meta[m] = self._login(m, self._channels[m], time.monotonic() + timeout)
+            meta = self._meta[m]
+        return self._stubs[m][method](request, timeout=timeout, metadata=meta)
 
     def _error(self, m: int, method: str, e: Any) -> Exception:
         import grpc
@@ -101,7 +129,7 @@ class PSClient:
             for m, req in requests.items():
                 self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
                 waiting.add((i, m))
-                self._threads.submit(self._stubs[m][method], (req, deadline_s, self._meta[m]),
+                self._threads.submit(self._invoke, (m, method, req, deadline_s),
                                      lambda raw, exc, i=i, m=m: done.put((i, m, raw, exc)))
         out: list[dict[int, tuple[dict, list[np.ndarray]]]] = [{} for _ in batches]
         # gRPC ends every call by its deadline; this bound only guards against a call
@@ -358,6 +386,13 @@ class PSClient:
         return lost
 
     def close(self) -> None:
+        """End this worker's sessions on every ps still answering, then close the channels."""
+        if self._channels:
+            try:
+                self._call("Logout", {m: wire.pack({}) for m in range(len(self._channels))},
+                           timeout=min(self.timeout_s, 2.0))
+            except errors.HostReduceError:
+                pass  # a ps already gone: its sessions went with it
         for channel in self._channels:
             channel.close()
         self._channels = []

@@ -69,6 +69,11 @@ __all__ = ["ParameterServer"]
 
 log = logging.getLogger("hostreduce.ps")
 
+# The furthest deadline a call may carry (at least; 4 x timeout_s when longer): the
+# chief's checkpoint and registration calls move whole shards, the others one step.
+_CONTROL_CALLS = frozenset({"Register", "Save", "Restore"})
+_CONTROL_CALL_S, _DATA_CALL_S = 600.0, 60.0
+
 
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
@@ -129,7 +134,9 @@ class ParameterServer:
         handlers = {"Hello": grpc.stream_unary_rpc_method_handler(self.gate.hello),
                     "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
         for name in METHODS:
-            handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
+            # stream_unary: the handler runs before the body is read, so that it checks the
+            # session's connection and the call's deadline first.
+            handlers[name] = grpc.stream_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
         self._server.add_generic_rpc_handlers((_Admission(self.gate, handlers),))
         try:
             bound = self._server.add_insecure_port(addr)
@@ -209,15 +216,34 @@ class ParameterServer:
                 + text)
 
     # ------------------------------------------------------------------ dispatch
-    def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[bytes, Any], bytes]:
-        def handler(request: bytes, context: Any) -> bytes:
+    def call_limit_s(self, name: str) -> float:
+        """The furthest deadline a call of method ``name`` may carry: a call without a
+        deadline, or with a later one, is refused unread, so that no call holds a handler
+        thread for longer (a worker that never sends its request, or a sync push whose
+        step never completes, is bounded by its deadline)."""
+        return max(_CONTROL_CALL_S if name in _CONTROL_CALLS else _DATA_CALL_S, 4 * self.timeout_s)
+
+    def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[Any, Any], bytes]:
+        limit = self.call_limit_s(name)
+
+        def handler(request_iterator: Any, context: Any) -> bytes:
             import grpc
 
+            # Before the body is read: the session's connection, then the deadline.
             rank = self.gate.worker(context)
+            left = context.time_remaining()
+            if left > limit:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"ConfigError: ps task {self.index}: a {name} call must carry a deadline of at most "
+                              f"{limit:g} s. Received: " + ("no deadline" if left > 1e9 else f"{left:.0f} s"))
             self._seen[rank] = time.monotonic()
             if rank in self._lost:
                 self._lost.discard(rank)
                 log.warning("ps task %d: worker %d is back", self.index, rank)
+            request = next(request_iterator, None)
+            if request is None:  # cancelled, or its deadline passed, before the request came
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ConfigError: ps task {self.index}: a {name} "
+                              "call without a request")
             self.bytes_in[name] = self.bytes_in.get(name, 0) + len(request)
             try:
                 header, arrays = unpack(request)
@@ -234,6 +260,10 @@ class ParameterServer:
             self.bytes_out[name] = self.bytes_out.get(name, 0) + len(reply)
             return reply
         return handler
+
+    def _logout(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self.gate.logout(ctx)
+        return {}, []
 
     def _info(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         p = self.store.placement
