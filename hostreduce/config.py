@@ -34,6 +34,9 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ConfigError(f"`{name}` must be a boolean (1/0, true/false). Received: {name}={raw!r}")
 
 
+_MAX_GRPC_MESSAGE = (1 << 31) - 1  # gRPC takes message sizes as a C int
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of the reduction engine.
@@ -72,6 +75,10 @@ class Config:
             reduce: ``none``, ``fp16`` or ``bf16`` (float arrays travel and are summed in
             16 bits; see ``reducers/compression.py``). A collective's own
             ``compression=`` wins.
+        ps_max_message_bytes: the largest message a parameter server receives
+            (gRPC refuses a larger one from its length, before buffering it): at least
+            the chief's registration of one ps's share of the variables and one
+            worker's push to it, with margin.
     """
 
     reducer: str = "ring"
@@ -88,6 +95,7 @@ class Config:
     tune_malloc: bool = True
     fast_lane: bool = True
     compression: str = "none"
+    ps_max_message_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         # Which names exist is the registry's to say (an engine added with
@@ -108,6 +116,10 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+        value = self.ps_max_message_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or not (1 << 20) <= value <= _MAX_GRPC_MESSAGE:
+            raise ConfigError(f"`ps_max_message_bytes` must be an integer in [{1 << 20}, {_MAX_GRPC_MESSAGE}] (1 MiB "
+                              f"to gRPC's limit). Received: ps_max_message_bytes={value!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ConfigError("`secret` must be a non-empty string or None. Received: an empty or non-string value")
         if self.compression not in ("none", "fp16", "bf16"):

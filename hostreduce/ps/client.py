@@ -105,6 +105,10 @@ class PSClient:
             cls = getattr(errors, kind, None)
             if isinstance(cls, type) and issubclass(cls, errors.HostReduceError):
                 return cls(f"Worker {self.rank}, {method} on {where}: {text}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ConfigError(f"Worker {self.rank}: {where} refused {method}: {details}. A ps receives messages of "
+                               "at most ps_max_message_bytes (HOSTREDUCE_PS_MAX_MESSAGE_BYTES); raise it on the ps "
+                               "for larger registrations or pushes")
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return errors.AuthenticationError(f"Worker {self.rank}: {where} refused {method}: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -57,7 +57,7 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
                            chief_timeout_s=4 * timeout if chief_timeout_s is None else chief_timeout_s,
                            tune_malloc=config.tune_malloc, nonfinite=nonfinite,
                            startup_timeout_s=config.connect_timeout_s if startup_timeout_s is None
-                           else startup_timeout_s)
+                           else startup_timeout_s, max_message_bytes=config.ps_max_message_bytes)
 
 
 def serve_from_env(**kwargs: Any) -> None:

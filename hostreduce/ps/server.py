@@ -79,7 +79,7 @@ class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
                  chief_timeout_s: float | None = None, tune_malloc: bool = True, nonfinite: str = "apply",
-                 startup_timeout_s: float | None = None) -> None:
+                 startup_timeout_s: float | None = None, max_message_bytes: int = 1 << 30) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -115,6 +115,7 @@ class ParameterServer:
         self.refuse_nonfinite = nonfinite == "refuse"
         self.model_dir: str | None = None  # the real path Save and Restore stay under (the chief's Register)
         self._reached = 0                  # async: the highest step a checked push reported
+        self.max_message_bytes = max_message_bytes  # gRPC refuses a larger request unread (Config.ps_max_message_bytes)
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -130,7 +131,7 @@ class ParameterServer:
         # a heartbeat, Done), the chief's control calls, and room for handshakes.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
-                                   options=grpc_options(self.timeout_s))
+                                   options=grpc_options(self.timeout_s, self.max_message_bytes))
         handlers = {"Hello": grpc.stream_unary_rpc_method_handler(self.gate.hello),
                     "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
         for name in METHODS:

@@ -7,11 +7,14 @@ from typing import Any
 __all__ = ["grpc_options"]
 
 
-def grpc_options(timeout_s: float) -> list[tuple[str, Any]]:
+def grpc_options(timeout_s: float, max_receive_bytes: int = -1) -> list[tuple[str, Any]]:
     """Options for ``grpc.server`` and ``grpc.insecure_channel`` of a service whose calls
     wait at most ``timeout_s`` for a peer.
 
-    - No message size limit from gRPC: each service bounds what it accepts itself.
+    - Messages sent: no size limit from gRPC. Messages received: at most
+      ``max_receive_bytes`` (-1: no limit, the service bounds what it accepts itself);
+      gRPC refuses a larger message from its length prefix (``RESOURCE_EXHAUSTED``),
+      before buffering it.
     - Keepalive pings every ``timeout_s / 2`` (between 1 and 5 s), also on idle
       connections, so a peer that vanished without closing its socket is noticed; a ping
       unanswered for ``timeout_s`` (at least 1 s) closes the connection, no sooner than
@@ -23,7 +26,7 @@ def grpc_options(timeout_s: float) -> list[tuple[str, Any]]:
     """
     return [
         ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", int(min(5000, max(1000, timeout_s * 500)))),
         ("grpc.keepalive_timeout_ms", int(max(1.0, timeout_s) * 1000)),
