@@ -57,6 +57,7 @@ class PSClient:
         self._channels: list[Any] = []
         self._threads = CallThreads(f"hostreduce-ps-client{rank}")
         self._login_lock = threading.Lock()
+        self._cut_step: int | None = None  # the step of the last cut, until its save
         self.logins = 0  # how many times this client logged in (once per ps, and once per reconnection)
         self._connect(connect_timeout_s)
 
@@ -331,10 +332,44 @@ class PSClient:
         self._call("Push", requests)
 
     # ------------------------------------------------------------------ job
+    def cut(self, step: int, names: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The chief: every ps holds its shard as of one consistent point for a
+        :meth:`save` of ``step`` (``cut.py``: async applies paused until every ps has
+        settled the same pushes of every worker, then a snapshot, then the applies go
+        on); returns the values of ``names`` at that point, whole, for the caller's own
+        checkpoint. In sync mode the ps are at step ``step`` and nothing is paused."""
+        count = len(self.addresses)
+        resumed = False
+        try:
+            until: dict[str, int] = {}
+            for _ in range(2):  # the second round lets the pushes in flight to some ps reach them
+                replies = self._call("Pause", {m: wire.pack({"until": until}) for m in range(count)})
+                settled = [replies[m][0]["settled"] for m in range(count)]
+                target = {r: max(s.get(r, 0) for s in settled) for r in set().union(*settled)}
+                if all(s.get(r, 0) == n for s in settled for r, n in target.items()):
+                    break
+                until = target
+            values = self.pull(list(names)) if names else {}
+            self._call("Resume", {m: wire.pack({"snapshot": step}) for m in range(count)})
+            resumed = True
+        finally:
+            if not resumed:
+                try:
+                    self._call("Resume", {m: wire.pack({}) for m in range(count)})
+                except errors.HostReduceError:
+                    pass  # the error that ended the cut is the one to raise
+        self._cut_step = step
+        return values
+
     def save(self, directory: str, step: int, *, keep: int = 3, publish: bool = True) -> None:
-        """Checkpoint every shard at ``step``; publish the index once all are written
-        (``publish=False``: the caller publishes it later, with :meth:`publish`)."""
+        """Checkpoint every shard at ``step``, one consistent point of all of them (the
+        :meth:`cut` of ``step`` made just before, else one made here); publish the index
+        once all are written (``publish=False``: the caller publishes it later, with
+        :meth:`publish`)."""
         p = self._need()
+        if self._cut_step != step:
+            self.cut(step)
+        self._cut_step = None
         self._call("Save", {m: wire.pack({"dir": directory, "step": step}) for m in range(p.num_ps)},
                    timeout=max(self.timeout_s, 300.0))
         if publish:

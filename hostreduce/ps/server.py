@@ -28,7 +28,8 @@ What a ps accepts from an authenticated worker (a buggy or compromised one inclu
   every worker of it with the same error, and nothing of the step is applied;
 - a pull's names and row ids are checked the same way;
 - control calls are the chief's (worker 0): ``Register`` (and so holding the ps),
-  ``Open``, ``Save``, ``Restore``, ``Shutdown``. ``Save`` and ``Restore`` work only under
+  ``Open``, ``Pause``/``Resume`` (a checkpoint's cut, ``cut.py``), ``Save``, ``Restore``,
+  ``Shutdown``. ``Save`` and ``Restore`` work only under
   the ``model_dir`` the chief registered (its real path: no ``..`` or symbolic link leads
   out), and ``Save`` only at a step the ps has reached (sync: its step; async: the
   highest step a push reported).
@@ -61,6 +62,7 @@ from ..transport.grpc_options import grpc_options
 from .checkpoint import load_part, read_index, write_shard
 from .wire import METHODS, SERVICE, WireError, pack, unpack
 from .barrier import StepBarrier
+from .cut import ApplyGate
 from .handshake import Gate
 from .placement import Placement
 from .store import Contribution, ShardStore
@@ -97,6 +99,8 @@ class ParameterServer:
         self.store = ShardStore(index)
         self.barrier = StepBarrier(index, num_workers, self._apply_step, lambda: self.store.step, reduce=reduce)
         self.gate = Gate(index, num_workers, len(ps_addresses), secret)
+        self.applies = ApplyGate(index)    # async: pushes counted per worker, paused for a checkpoint's cut
+        self._held: tuple[int, dict[str, np.ndarray]] | None = None  # the last cut's step and snapshot
         self.bytes_in: dict[str, int] = {}
         self.bytes_out: dict[str, int] = {}
         self._seen: dict[int, float] = {}
@@ -164,6 +168,7 @@ class ParameterServer:
         # Pushes still waiting for a step would hold their threads (and the process's
         # exit) until their wait ends; no worker will complete that step now.
         self.barrier.abort(self.failure or "the chief ended the job")
+        self.applies.abort(self.failure or "the chief ended the job")
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
 
@@ -334,10 +339,16 @@ class ParameterServer:
 
     def _push(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         step = h.get("step")
+        wait = self._wait_s(ctx)
         if self.mode == "async":
-            part = self._check_push(h, a)
-            self._apply_step(None, part)
-            if type(step) is int and step > self._reached:
+            counted = type(step) is int
+            self.applies.enter(rank, counted, wait)  # waits while the chief holds a checkpoint's cut
+            try:
+                part = self._check_push(h, a)
+                self._apply_step(None, part)
+            finally:
+                self.applies.leave(rank, counted)
+            if counted and step > self._reached:
                 self._reached = step
             return {}, []
         if type(step) is not int:
@@ -346,10 +357,13 @@ class ParameterServer:
             part = self._check_push(h, a)
         except HostReduceError as e:
             raise self.barrier.refuse(rank, step, e) from None
-        left = ctx.time_remaining()
-        wait = self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
         self.barrier.arrive(rank, step, part, wait)
         return {"step": self.store.step}, []
+
+    def _wait_s(self, ctx: Any) -> float:
+        """How long a call may wait for others here: ``timeout_s``, within its deadline."""
+        left = ctx.time_remaining()
+        return self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
 
     def _check_push(self, h: dict, a: list) -> Contribution:
         """The push in ``h`` and ``a``, checked whole (``ShardStore.check_push``)."""
@@ -386,19 +400,54 @@ class ParameterServer:
                             f"dir={directory!r} (real path {real!r})")
         return real
 
-    def _save(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        self._chief(rank, "Save")
-        directory = self._checkpoint_dir(h, "Save")
+    def _save_step(self, h: dict, call: str) -> int:
+        """The step ``h`` names, if this ps may save it: in sync mode its own step, in
+        async mode one some push reported."""
         step = h.get("step")
         reached = self.store.step if self.mode == "sync" else max(self.store.step, self._reached)
         if type(step) is not int or step < 0:
-            raise ConfigError(f"`step` of Save must be an integer >= 0. Received: step={step!r}")
+            raise ConfigError(f"`step` of {call} must be an integer >= 0. Received: step={step!r}")
         if (self.mode == "sync" and step != reached) or step > reached:
             raise TensorMismatchError(f"ps task {self.index} is at step {reached}; asked to save step {step}")
-        p = self.store.placement
-        if p is None:
+        if self.store.placement is None:
             raise ConfigError(f"ps task {self.index}: nothing to save, no variables are registered")
-        path = write_shard(directory, step, self.index, p.num_ps, self.store.snapshot())
+        return step
+
+    def _pause(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        """The chief's cut (``cut.py``): hold the async applies, let through the pushes
+        ``until`` names; the counts of pushes settled per worker. (Sync mode: nothing to
+        hold, a step completes only with the chief's push.)"""
+        self._chief(rank, "Pause")
+        until = h.get("until") or {}
+        if not isinstance(until, dict) or not all(
+                isinstance(r, str) and r.isdigit() and int(r) < self.num_workers and type(n) is int and n >= 0
+                for r, n in until.items()):
+            raise ConfigError(f"`until` of Pause must map worker ranks to counts. Received: until={str(until)[:80]}")
+        if self.mode == "sync":
+            return {"settled": {}}, []
+        settled = self.applies.pause({int(r): n for r, n in until.items()}, self._wait_s(ctx),
+                                     lambda: self._lost | set(self._finished))
+        return {"settled": {str(r): n for r, n in settled.items()}}, []
+
+    def _resume(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        """End the chief's cut: snapshot the shard for a ``Save`` of ``snapshot`` (the
+        step), if named, then let the applies go on."""
+        self._chief(rank, "Resume")
+        try:
+            if h.get("snapshot") is not None:
+                step = self._save_step({"step": h["snapshot"]}, "Resume")
+                self._held = (step, self.store.snapshot())
+        finally:
+            self.applies.resume()
+        return {}, []
+
+    def _save(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self._chief(rank, "Save")
+        directory = self._checkpoint_dir(h, "Save")
+        step = self._save_step(h, "Save")
+        held, self._held = self._held, None
+        arrays = held[1] if held is not None and held[0] == step else self.store.snapshot()
+        path = write_shard(directory, step, self.index, self.store.placement.num_ps, arrays)  # type: ignore[union-attr]
         return {"path": path}, []
 
     def _restore(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
