@@ -79,6 +79,11 @@ class Config:
             (gRPC refuses a larger one from its length, before buffering it): at least
             the chief's registration of one ps's share of the variables and one
             worker's push to it, with margin.
+        ps_tls_cert, ps_tls_key: PEM files of a parameter server's TLS certificate
+            (chain) and private key; set both to serve over TLS, neither to serve in
+            plain text.
+        ps_tls_ca: the PEM file of the certificates a worker trusts for the ps (their
+            CA, or the ps's self-signed certificate); set it to connect over TLS.
     """
 
     reducer: str = "ring"
@@ -96,6 +101,9 @@ class Config:
     fast_lane: bool = True
     compression: str = "none"
     ps_max_message_bytes: int = 1 << 30
+    ps_tls_cert: str = ""
+    ps_tls_key: str = ""
+    ps_tls_ca: str = ""
 
     def __post_init__(self) -> None:
         # Which names exist is the registry's to say (an engine added with
@@ -120,6 +128,9 @@ class Config:
         if not isinstance(value, int) or isinstance(value, bool) or not (1 << 20) <= value <= _MAX_GRPC_MESSAGE:
             raise ConfigError(f"`ps_max_message_bytes` must be an integer in [{1 << 20}, {_MAX_GRPC_MESSAGE}] (1 MiB "
                               f"to gRPC's limit). Received: ps_max_message_bytes={value!r}")
+        if bool(self.ps_tls_cert) != bool(self.ps_tls_key):
+            raise ConfigError("`ps_tls_cert` and `ps_tls_key` go together: set both to serve over TLS, or neither. "
+                              f"Received: ps_tls_cert={self.ps_tls_cert!r}, ps_tls_key={self.ps_tls_key!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ConfigError("`secret` must be a non-empty string or None. Received: an empty or non-string value")
         if self.compression not in ("none", "fp16", "bf16"):

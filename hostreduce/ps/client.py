@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import errors
 from ..errors import ConfigError, PeerLostError
-from ..transport.grpc_options import grpc_options
+from ..transport.grpc_options import channel_credentials, grpc_options
 from . import checkpoint, wire
 from .calls import CallThreads
 from .handshake import REBIND, SESSION_KEY, login
@@ -42,7 +42,7 @@ _GRACE_S = 5.0  # beyond a call's deadline, before its silence counts as the ps 
 
 class PSClient:
     def __init__(self, ps_addresses: Sequence[str], rank: int, num_workers: int, secret: str, *,
-                 timeout_s: float = 30.0, connect_timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 30.0, connect_timeout_s: float = 60.0, tls_ca: bytes | None = None) -> None:
         if not ps_addresses:
             raise ConfigError("`ps_addresses` must name at least one ps task. Received: ps_addresses=[]")
         if not isinstance(rank, int) or not 0 <= rank < num_workers:
@@ -56,6 +56,7 @@ class PSClient:
         self._meta: list[tuple] = []
         self._channels: list[Any] = []
         self._threads = CallThreads(f"hostreduce-ps-client{rank}")
+        self._tls_ca = tls_ca  # PEM the ps's certificates are checked against: connect over TLS
         self._login_lock = threading.Lock()
         self._cut_step: int | None = None  # the step of the last cut, until its save
         self.logins = 0  # how many times this client logged in (once per ps, and once per reconnection)
@@ -67,7 +68,9 @@ class PSClient:
 
         deadline = time.monotonic() + connect_timeout_s
         for m, addr in enumerate(self.addresses):
-            channel = grpc.insecure_channel(addr, options=grpc_options(self.timeout_s))
+            options = grpc_options(self.timeout_s)
+            channel = (grpc.secure_channel(addr, channel_credentials(self._tls_ca), options=options) if self._tls_ca
+                       else grpc.insecure_channel(addr, options=options))
             self._channels.append(channel)
             self._meta.append(self._login(m, channel, deadline))
             self._stubs.append({n: channel.unary_unary(f"/{wire.SERVICE}/{n}") for n in wire.METHODS})

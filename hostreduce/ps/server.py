@@ -58,7 +58,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, HostReduceError, RoleError, TensorMismatchError
-from ..transport.grpc_options import grpc_options
+from ..transport.grpc_options import grpc_options, server_credentials
 from .checkpoint import load_part, read_index, write_shard
 from .wire import METHODS, SERVICE, WireError, pack, unpack
 from .barrier import StepBarrier
@@ -81,7 +81,8 @@ class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
                  chief_timeout_s: float | None = None, tune_malloc: bool = True, nonfinite: str = "apply",
-                 startup_timeout_s: float | None = None, max_message_bytes: int = 1 << 30) -> None:
+                 startup_timeout_s: float | None = None, max_message_bytes: int = 1 << 30,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -120,6 +121,7 @@ class ParameterServer:
         self.model_dir: str | None = None  # the real path Save and Restore stay under (the chief's Register)
         self._reached = 0                  # async: the highest step a checked push reported
         self.max_message_bytes = max_message_bytes  # gRPC refuses a larger request unread (Config.ps_max_message_bytes)
+        self._tls = tls                    # (certificate chain, private key) PEM: serve over TLS
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -144,7 +146,8 @@ class ParameterServer:
             handlers[name] = grpc.stream_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
         self._server.add_generic_rpc_handlers((_Admission(self.gate, handlers),))
         try:
-            bound = self._server.add_insecure_port(addr)
+            bound = (self._server.add_secure_port(addr, server_credentials(*self._tls)) if self._tls
+                     else self._server.add_insecure_port(addr))
         except RuntimeError:
             bound = 0
         if not bound:

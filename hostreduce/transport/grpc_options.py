@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["grpc_options"]
+__all__ = ["grpc_options", "read_pem", "server_credentials", "channel_credentials"]
 
 
 def grpc_options(timeout_s: float, max_receive_bytes: int = -1) -> list[tuple[str, Any]]:
@@ -39,3 +39,32 @@ def grpc_options(timeout_s: float, max_receive_bytes: int = -1) -> list[tuple[st
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The bytes of the PEM file ``path`` (``what``: the setting that names it, for the error)."""
+    from ..errors import ConfigError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"`{what}` must name a readable PEM file. Received: {what}={path!r} ({e.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"`{what}` must name a PEM file (-----BEGIN ...). Received: {what}={path!r}")
+    return data
+
+
+def server_credentials(cert_chain: bytes, private_key: bytes) -> Any:
+    """TLS for a server: its certificate chain and private key (PEM)."""
+    import grpc
+
+    return grpc.ssl_server_credentials([(private_key, cert_chain)])
+
+
+def channel_credentials(root_certificates: bytes) -> Any:
+    """TLS for a channel that trusts the servers whose certificates ``root_certificates``
+    (PEM: a CA, or the servers' self-signed certificates) signed."""
+    import grpc
+
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
