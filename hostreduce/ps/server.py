@@ -4,7 +4,11 @@ One generic gRPC service (``SERVICE``) bound to exactly the address the cluster
 gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
 method takes and returns one ``wire`` message and runs only for an authenticated
 worker: which handler a call gets is decided from its metadata before its body is read
-(``_Admission``), so a stranger's call is refused unread and holds no thread. Errors
+(``_Admission``), so a stranger's call is refused unread and holds no thread; the
+handler then checks, still before the body, that the session's token comes on the
+connection that logged in (``handshake.py``) and that the call carries a deadline of at
+most :meth:`ParameterServer.call_limit_s`. gRPC refuses a message over
+``max_message_bytes`` from its length, unbuffered. Errors
 travel as the call's status with ``"<ErrorClass>: message"`` as its details, and the
 client raises the same class.
 
