@@ -34,6 +34,9 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ConfigError(f"`{name}` must be a boolean (1/0, true/false). Received: {name}={raw!r}")
 
 
+_MAX_GRPC_MESSAGE = (1 << 31) - 1  # gRPC takes message sizes as a C int
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of the reduction engine.
@@ -72,6 +75,15 @@ class Config:
             reduce: ``none``, ``fp16`` or ``bf16`` (float arrays travel and are summed in
             16 bits; see ``reducers/compression.py``). A collective's own
             ``compression=`` wins.
+        ps_max_message_bytes: the largest message a parameter server receives
+            (gRPC refuses a larger one from its length, before buffering it): at least
+            the chief's registration of one ps's share of the variables and one
+            worker's push to it, with margin.
+        ps_tls_cert, ps_tls_key: PEM files of a parameter server's TLS certificate
+            (chain) and private key; set both to serve over TLS, neither to serve in
+            plain text.
+        ps_tls_ca: the PEM file of the certificates a worker trusts for the ps (their
+            CA, or the ps's self-signed certificate); set it to connect over TLS.
     """
 
     reducer: str = "ring"
@@ -88,6 +100,10 @@ class Config:
     tune_malloc: bool = True
     fast_lane: bool = True
     compression: str = "none"
+    ps_max_message_bytes: int = 1 << 30
+    ps_tls_cert: str = ""
+    ps_tls_key: str = ""
+    ps_tls_ca: str = ""
 
     def __post_init__(self) -> None:
         # Which names exist is the registry's to say (an engine added with
@@ -108,6 +124,13 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+        value = self.ps_max_message_bytes
+        if not isinstance(value, int) or isinstance(value, bool) or not (1 << 20) <= value <= _MAX_GRPC_MESSAGE:
+            raise ConfigError(f"`ps_max_message_bytes` must be an integer in [{1 << 20}, {_MAX_GRPC_MESSAGE}] (1 MiB "
+                              f"to gRPC's limit). Received: ps_max_message_bytes={value!r}")
+        if bool(self.ps_tls_cert) != bool(self.ps_tls_key):
+            raise ConfigError("`ps_tls_cert` and `ps_tls_key` go together: set both to serve over TLS, or neither. "
+                              f"Received: ps_tls_cert={self.ps_tls_cert!r}, ps_tls_key={self.ps_tls_key!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ConfigError("`secret` must be a non-empty string or None. Received: an empty or non-string value")
         if self.compression not in ("none", "fp16", "bf16"):

@@ -325,8 +325,11 @@ class ParameterServerStrategy(Strategy):
                 raise _ConfigError("ParameterServerStrategy needs the job's shared secret: set HOSTREDUCE_SECRET "
                                    "to the same value in every task. Received: secret=None")
             spec = self.cluster
+            from .transport.grpc_options import read_pem
+
             self._job = PSJob(spec.ps_addresses, spec.rank, spec.size, cfg.secret, timeout_s=self.timeout_s,
-                              connect_timeout_s=cfg.connect_timeout_s)
+                              connect_timeout_s=cfg.connect_timeout_s,
+                              tls_ca=read_pem(cfg.ps_tls_ca, "ps_tls_ca") if cfg.ps_tls_ca else None)
         return self._job
 
     def keras_optimizer(self, optimizer: Any) -> Any:

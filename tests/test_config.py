@@ -68,3 +68,11 @@ def test_an_engine_registered_by_name_is_chosen_by_hostreduce_reducer():
     with pytest.raises(ConfigError, match=r"`reducer` must be one of \[.*'local_for_config_test'.*\]. "
                                           r"Received: reducer='nope'"):
         create_reducer(config=Config.from_env({"HOSTREDUCE_REDUCER": "nope"}))
+
+
+def test_ps_max_message_bytes_is_bounded_by_one_mib_and_grpcs_limit():
+    assert Config.from_env({}).ps_max_message_bytes == 1 << 30
+    assert Config.from_env({"HOSTREDUCE_PS_MAX_MESSAGE_BYTES": str(16 << 20)}).ps_max_message_bytes == 16 << 20
+    for bad in (1000, 1 << 31, True, 2.5):
+        with pytest.raises(ConfigError, match="ps_max_message_bytes"):
+            Config(ps_max_message_bytes=bad)

@@ -5,8 +5,9 @@ unknown methods, random bytes and HTTP/2 garbage, and large unauthenticated mess
 None of it holds a handler thread or makes the ps read a body: a sync job running
 meanwhile ends bit for bit as an undisturbed one, the chief's Shutdown ends every ps,
 each stranger's call is refused at once and logged by class (as ``ps task K``), and a
-ps process's peak resident memory stays within a bound while it refuses 4 x 64 MiB
-unauthenticated pushes."""
+ps process's peak resident memory stays within a bound while it refuses 4 x 128 MiB
+unauthenticated pushes, and 4 x 128 MiB pushes of an authenticated worker over the
+ps's receive limit (``ps_max_message_bytes``: refused by gRPC from their length)."""
 from __future__ import annotations
 
 import json
@@ -17,15 +18,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
+from hostreduce.errors import ConfigError
 from hostreduce.processes import free_ports
 from hostreduce.ps import Adam, wire
 from hostreduce.ps.client import PSClient
+from hostreduce.ps.handshake import SESSION_KEY, login
 from tests.ps_helpers import LocalCluster, model_values, worker_grads
 
 pytestmark = pytest.mark.timeout(240)
@@ -162,15 +167,18 @@ def _vm(pid: int, field: str) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/<pid>/status")
-def test_large_unauthenticated_messages_are_never_read(tmp_path):
-    """A ps process refuses 4 concurrent 64 MiB pushes without a session: its peak
-    resident memory grows by less than 64 MiB (it read none of them), the job then
-    trains and ends, and the ps exits 0."""
+def test_large_messages_are_never_read(tmp_path):
+    """A ps process whose receive limit is 16 MiB refuses 4 concurrent 128 MiB pushes
+    without a session (unread: UNAUTHENTICATED), then 4 from an authenticated worker on
+    its own connection (over the limit: RESOURCE_EXHAUSTED from gRPC): its peak resident
+    memory grows by less than one of those messages (it buffered none of them), the job then trains and
+    ends, and the ps exits 0."""
     ps_addr, worker_addr = [f"127.0.0.1:{p}" for p in free_ports(2)]
     secret = secrets.token_hex(8)
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"chief": [worker_addr], "ps": [ps_addr]},
                                                  "task": {"type": "ps", "index": 0}}),
-               HOSTREDUCE_SECRET=secret, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+               HOSTREDUCE_SECRET=secret, HOSTREDUCE_PS_MAX_MESSAGE_BYTES=str(16 << 20),
+               PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     proc = subprocess.Popen([sys.executable, str(PS_SCRIPT)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -178,11 +186,19 @@ def test_large_unauthenticated_messages_are_never_read(tmp_path):
         chief.register(model_values(), Adam(0.01), shard_bytes=20_000)
         chief.push(*worker_grads(0, 1), step=1)
         before = _vm(proc.pid, "VmHWM")
-        body = bytes(64 << 20)
-        channel = grpc.insecure_channel(ps_addr, options=[("grpc.max_send_message_length", -1)])
-        calls = [channel.unary_unary(f"/{wire.SERVICE}/Push").future(body, timeout=60) for _ in range(4)]
-        codes = [c.exception(60).code() for c in calls]
-        channel.close()
+        body = bytes(128 << 20)
+        codes = {}
+        for who in ("stranger", "worker"):
+            channel = grpc.insecure_channel(ps_addr, options=[("grpc.max_send_message_length", -1),
+                                                              ("grpc.use_local_subchannel_pool", 1)])
+            meta: tuple = ()
+            if who == "worker":
+                meta = ((SESSION_KEY, login(channel, wire.SERVICE, secret, 0, 0, 1, ps_addr,
+                                            time.monotonic() + 30, num_ps=1)),)
+            calls = [channel.unary_unary(f"/{wire.SERVICE}/Push").future(body, timeout=60, metadata=meta)
+                     for _ in range(4)]
+            codes[who] = [c.exception(60).code() for c in calls]
+            channel.close()
         del body
         peak = _vm(proc.pid, "VmHWM")
         chief.push(*worker_grads(0, 2), step=2)
@@ -194,7 +210,23 @@ def test_large_unauthenticated_messages_are_never_read(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4, codes
+    assert codes == {"stranger": [grpc.StatusCode.UNAUTHENTICATED] * 4,
+                     "worker": [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4}, codes
     print(f"ps peak resident memory {before / 2**20:.0f} MiB before, {peak / 2**20:.0f} MiB after")
-    assert peak - before < 64 << 20, (before, peak)
+    # What the connections' flow-control windows let in before the refusals (more on a
+    # loaded machine), never one whole message of the eight.
+    assert peak - before < 128 << 20, (before, peak)
     assert proc.returncode == 0, out
+
+
+def test_a_push_over_the_receive_limit_is_a_config_error_naming_the_setting():
+    cluster = LocalCluster(1, 1, max_message_bytes=1 << 20)
+    try:
+        c = cluster.client(0)
+        c.register(model_values(), Adam(0.01), shard_bytes=20_000)
+        with pytest.raises(ConfigError, match="ps_max_message_bytes"):
+            c._call("Push", {0: wire.pack({"step": 1, "dense": [], "rows": []}, [np.zeros(1 << 19)])})
+        c.push(*worker_grads(0, 1), step=1)  # the job goes on
+        assert c.info()["step"] == 1
+    finally:
+        cluster.stop_and_join()

@@ -280,11 +280,13 @@ def test_control_calls_are_the_chiefs_under_its_model_dir_at_reached_steps(tmp_p
     try:
         chief, w1 = _registered(cluster, model_dir=str(model_dir))
         before = cluster.snapshots()
-        # Another worker cannot hold, open, register, save, restore or end the job.
+        # Another worker cannot hold, open, register, pause, save, restore or end the job.
         for call, text in ((lambda: w1.register(model_values(), Adam(0.01), shard_bytes=20_000, hold=True),
                             "Register from worker 1"),
                            (w1.open, "Open from worker 1"),
-                           (lambda: w1.save(str(model_dir), 0), "Save from worker 1"),
+                           (lambda: w1.save(str(model_dir), 0), "Pause from worker 1"),  # its cut, first
+                           (lambda: w1._call("Save", {0: wire.pack({"dir": str(model_dir), "step": 0})}),
+                            "Save from worker 1"),
                            (lambda: w1._call("Restore", {0: wire.pack({"dir": str(model_dir)})}), "Restore from worker 1"),
                            (lambda: w1._call("Shutdown", {0: wire.pack({})}), "Shutdown from worker 1")):
             with pytest.raises(RoleError, match=text):

@@ -238,10 +238,17 @@ class PSTrainProgram(ProgramBase):
 
     def before_save(self, step: int) -> None:
         """The chief, before its checkpoint of ``step``: the ps write their shards, and
-        the TF variables take the ps's values (what the checkpoint holds)."""
-        if self._model_dir:
-            self.strategy.job.client.save(os.path.join(self._model_dir, PS_DIR), step, publish=False)
-        self.pull_all()
+        the TF variables take the ps's values (what the checkpoint holds), both of one
+        consistent point of every ps (``PSClient.cut``: in async mode the applies pause
+        while the values are pulled and the shards snapshot)."""
+        if not self._model_dir:
+            self.pull_all()
+            return
+        client = self.strategy.job.client
+        values = client.cut(step, [k for k in self.keys if k not in self.caches])
+        for key, value in values.items():
+            self._vars[key].assign(value)
+        client.save(os.path.join(self._model_dir, PS_DIR), step, publish=False)
 
     def after_save(self, step: int) -> None:
         if self._model_dir:

@@ -6,6 +6,10 @@ Rows: the ids of a lookup are made unique first, routed to the ps that hold them
 a gradient's duplicate rows are summed before they are sent. Traffic is thus one row
 per distinct id of the batch, whatever the size of the table.
 
+A session is bound to the connection that logged in (``handshake.py``): when a channel
+reconnects, the ps refuses the next call unread and the client logs in again on the new
+connection and repeats it, once. :meth:`close` ends the sessions.
+
 Every call has a deadline of ``timeout_s``; a ps that dies or stops answering raises
 PeerLostError naming its task and address at once (a closed connection) or at the
 deadline (a hung one); the calls still in flight to the other ps are abandoned
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from typing import Any, Mapping, Sequence
 
@@ -22,10 +27,10 @@ import numpy as np
 
 from .. import errors
 from ..errors import ConfigError, PeerLostError
-from ..transport.grpc_options import grpc_options
+from ..transport.grpc_options import channel_credentials, grpc_options
 from . import checkpoint, wire
 from .calls import CallThreads
-from .handshake import SESSION_KEY, login
+from .handshake import REBIND, SESSION_KEY, login
 from .optimizers import HostOptimizer
 from .placement import DEFAULT_SHARD_BYTES, Placement, VarSpec, place
 from .rows import sum_duplicates
@@ -37,7 +42,7 @@ _GRACE_S = 5.0  # beyond a call's deadline, before its silence counts as the ps 
 
 class PSClient:
     def __init__(self, ps_addresses: Sequence[str], rank: int, num_workers: int, secret: str, *,
-                 timeout_s: float = 30.0, connect_timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 30.0, connect_timeout_s: float = 60.0, tls_ca: bytes | None = None) -> None:
         if not ps_addresses:
             raise ConfigError("`ps_addresses` must name at least one ps task. Received: ps_addresses=[]")
         if not isinstance(rank, int) or not 0 <= rank < num_workers:
@@ -51,6 +56,10 @@ class PSClient:
         self._meta: list[tuple] = []
         self._channels: list[Any] = []
         self._threads = CallThreads(f"hostreduce-ps-client{rank}")
+        self._tls_ca = tls_ca  # PEM the ps's certificates are checked against: connect over TLS
+        self._login_lock = threading.Lock()
+        self._cut_step: int | None = None  # the step of the last cut, until its save
+        self.logins = 0  # how many times this client logged in (once per ps, and once per reconnection)
         self._connect(connect_timeout_s)
 
     # ------------------------------------------------------------------ plumbing
@@ -59,12 +68,35 @@ class PSClient:
 
         deadline = time.monotonic() + connect_timeout_s
         for m, addr in enumerate(self.addresses):
-            channel = grpc.insecure_channel(addr, options=grpc_options(self.timeout_s))
+            options = grpc_options(self.timeout_s)
+            channel = (grpc.secure_channel(addr, channel_credentials(self._tls_ca), options=options) if self._tls_ca
+                       else grpc.insecure_channel(addr, options=options))
             self._channels.append(channel)
-            token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, addr, deadline,
-                          num_ps=len(self.addresses))
-            self._meta.append(((SESSION_KEY, token),))
+            self._meta.append(self._login(m, channel, deadline))
             self._stubs.append({n: channel.unary_unary(f"/{wire.SERVICE}/{n}") for n in wire.METHODS})
+
+    def _login(self, m: int, channel: Any, deadline: float) -> tuple:
+        token = login(channel, wire.SERVICE, self._secret, self.rank, m, self.num_workers, self.addresses[m],
+                      deadline, num_ps=len(self.addresses))
+        self.logins += 1
+        return ((SESSION_KEY, token),)
+
+    def _invoke(self, m: int, method: str, request: bytes, timeout: float) -> bytes:
+        """One call to ps ``m``; when its channel has reconnected since the login (the ps
+        refused the session unread), log in again there and repeat the call once."""
+        import grpc
+
+        meta = self._meta[m]
+        try:
+            return self._stubs[m][method](request, timeout=timeout, metadata=meta)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED or REBIND not in (e.details() or ""):
+                raise
+        with self._login_lock:
+            if self._meta[m] is meta:  # not renewed by another call meanwhile
+                self._meta[m] = self._login(m, self._channels[m], time.monotonic() + timeout)
+            meta = self._meta[m]
+        return self._stubs[m][method](request, timeout=timeout, metadata=meta)
 
     def _error(self, m: int, method: str, e: Any) -> Exception:
         import grpc
@@ -77,6 +109,10 @@ class PSClient:
             cls = getattr(errors, kind, None)
             if isinstance(cls, type) and issubclass(cls, errors.HostReduceError):
                 return cls(f"Worker {self.rank}, {method} on {where}: {text}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ConfigError(f"Worker {self.rank}: {where} refused {method}: {details}. A ps receives messages of "
+                               "at most ps_max_message_bytes (HOSTREDUCE_PS_MAX_MESSAGE_BYTES); raise it on the ps "
+                               "for larger registrations or pushes")
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return errors.AuthenticationError(f"Worker {self.rank}: {where} refused {method}: {details}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -101,7 +137,7 @@ class PSClient:
             for m, req in requests.items():
                 self.bytes_sent[method] = self.bytes_sent.get(method, 0) + len(req)
                 waiting.add((i, m))
-                self._threads.submit(self._stubs[m][method], (req, deadline_s, self._meta[m]),
+                self._threads.submit(self._invoke, (m, method, req, deadline_s),
                                      lambda raw, exc, i=i, m=m: done.put((i, m, raw, exc)))
         out: list[dict[int, tuple[dict, list[np.ndarray]]]] = [{} for _ in batches]
         # gRPC ends every call by its deadline; this bound only guards against a call
@@ -299,10 +335,44 @@ class PSClient:
         self._call("Push", requests)
 
     # ------------------------------------------------------------------ job
+    def cut(self, step: int, names: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The chief: every ps holds its shard as of one consistent point for a
+        :meth:`save` of ``step`` (``cut.py``: async applies paused until every ps has
+        settled the same pushes of every worker, then a snapshot, then the applies go
+        on); returns the values of ``names`` at that point, whole, for the caller's own
+        checkpoint. In sync mode the ps are at step ``step`` and nothing is paused."""
+        count = len(self.addresses)
+        resumed = False
+        try:
+            until: dict[str, int] = {}
+            for _ in range(2):  # the second round lets the pushes in flight to some ps reach them
+                replies = self._call("Pause", {m: wire.pack({"until": until}) for m in range(count)})
+                settled = [replies[m][0]["settled"] for m in range(count)]
+                target = {r: max(s.get(r, 0) for s in settled) for r in set().union(*settled)}
+                if all(s.get(r, 0) == n for s in settled for r, n in target.items()):
+                    break
+                until = target
+            values = self.pull(list(names)) if names else {}
+            self._call("Resume", {m: wire.pack({"snapshot": step}) for m in range(count)})
+            resumed = True
+        finally:
+            if not resumed:
+                try:
+                    self._call("Resume", {m: wire.pack({}) for m in range(count)})
+                except errors.HostReduceError:
+                    pass  # the error that ended the cut is the one to raise
+        self._cut_step = step
+        return values
+
     def save(self, directory: str, step: int, *, keep: int = 3, publish: bool = True) -> None:
-        """Checkpoint every shard at ``step``; publish the index once all are written
-        (``publish=False``: the caller publishes it later, with :meth:`publish`)."""
+        """Checkpoint every shard at ``step``, one consistent point of all of them (the
+        :meth:`cut` of ``step`` made just before, else one made here); publish the index
+        once all are written (``publish=False``: the caller publishes it later, with
+        :meth:`publish`)."""
         p = self._need()
+        if self._cut_step != step:
+            self.cut(step)
+        self._cut_step = None
         self._call("Save", {m: wire.pack({"dir": directory, "step": step}) for m in range(p.num_ps)},
                    timeout=max(self.timeout_s, 300.0))
         if publish:
@@ -358,6 +428,13 @@ class PSClient:
         return lost
 
     def close(self) -> None:
+        """End this worker's sessions on every ps still answering, then close the channels."""
+        if self._channels:
+            try:
+                self._call("Logout", {m: wire.pack({}) for m in range(len(self._channels))},
+                           timeout=min(self.timeout_s, 2.0))
+            except errors.HostReduceError:
+                pass  # a ps already gone: its sessions went with it
         for channel in self._channels:
             channel.close()
         self._channels = []

@@ -9,6 +9,15 @@ proof and sends its own (``Login``, in the call's metadata too); the ps then han
 random session token that every later call carries. A refused handshake is logged
 (by class, rate-limited with counts: ``admission.Refusals``) and changes nothing else.
 
+A session is bound to the connection that logged in (gRPC's ``context.peer()``: the
+worker's address and source port): its token, seen on the network, is refused on any
+other connection before the call's body is read, and it ends with its connection (the
+worker's ``Logout`` when it closes its channel; a connection that closed without one
+leaves a token only its own address and port could use). A worker whose channel
+reconnects (a new connection) is refused with :data:`REBIND` and logs in again.
+Sessions are kept per worker up to :data:`MAX_SESSIONS_PER_WORKER`, the oldest dropped
+first, so that logins cannot grow the table without bound.
+
 The ``Hello`` also carries how many workers and ps the worker's cluster lists. The ids
 in the proofs depend on them, so tasks whose ``TF_CONFIG`` disagree would fail each
 other's proofs as if their secrets differed; the ps compares them first and refuses
@@ -26,10 +35,14 @@ from typing import Any
 from ..errors import AuthenticationError, ClusterError
 from ..transport import admission, auth
 
-__all__ = ["Gate", "login", "SESSION_KEY", "HELLO_KEY"]
+__all__ = ["Gate", "login", "SESSION_KEY", "HELLO_KEY", "REBIND", "MAX_SESSIONS_PER_WORKER"]
 
 SESSION_KEY = "hr-session"
 HELLO_KEY = "hr-hello"  # the Hello's request, in metadata: no handshake has a body to read
+# The refusal of a valid token on a connection other than its own: the worker's client
+# logs in again on its (new) connection and repeats the call, which was not read.
+REBIND = "session bound to another connection"
+MAX_SESSIONS_PER_WORKER = 64
 
 
 class Gate:
@@ -50,7 +63,7 @@ class Gate:
         self.refusals = admission.Refusals(self.me, name=f"ps task {ps_index}",
                                            logger=logging.getLogger("hostreduce.ps"), every_s=10.0)
         self.num_ps = num_ps
-        self._sessions: dict[str, int] = {}
+        self._sessions: dict[str, tuple[int, str]] = {}  # token -> (worker, the connection's peer)
         self._lock = threading.Lock()
         self.logged_in: dict[int, float] = {}  # worker -> when it first logged in
 
@@ -63,7 +76,7 @@ class Gate:
         import grpc
 
         with self._lock:
-            connected = set(self._sessions.values())
+            connected = {rank for rank, _ in self._sessions.values()}
         self.refusals.refuse(context.peer(), claimed, why, connected, kind=kind)
         context.abort(getattr(grpc.StatusCode, code_name), f"ps id {self.me}: {why}")
 
@@ -95,17 +108,28 @@ class Gate:
             self.refuse(context, rank if rank >= 0 else None, why, "UNAUTHENTICATED", "failed proof")
         token = secrets.token_hex(16)
         with self._lock:
-            self._sessions[token] = rank
+            mine = [t for t, (r, _) in self._sessions.items() if r == rank]
+            for old in mine[:max(0, len(mine) - MAX_SESSIONS_PER_WORKER + 1)]:  # oldest first (dict order)
+                del self._sessions[old]
+            self._sessions[token] = (rank, context.peer())
             self.logged_in.setdefault(rank, time.monotonic())
         return token.encode()
 
     def session(self, metadata: Any) -> int | None:
-        """The worker whose session token ``metadata`` carries, or None."""
-        token = next((m[1] for m in metadata or () if m[0] == SESSION_KEY), None)
-        if not isinstance(token, str):
+        """The worker whose session token ``metadata`` carries, or None (whatever the
+        connection: the caller checks that with :meth:`worker`)."""
+        token = _token(metadata)
+        if token is None:
             return None
         with self._lock:
-            return self._sessions.get(token)
+            found = self._sessions.get(token)
+        return None if found is None else found[0]
+
+    def logout(self, context: Any) -> None:
+        """End the session of the call's token (its worker closes the channel)."""
+        token = _token(context.invocation_metadata())
+        with self._lock:
+            self._sessions.pop(token, None)  # type: ignore[arg-type]
 
     def no_session(self, request_iterator: Any, context: Any) -> bytes:
         """A call without a valid session: refused, its body unread."""
@@ -113,12 +137,24 @@ class Gate:
         return b""
 
     def worker(self, context: Any) -> int:
-        """The authenticated worker rank behind a call; aborts the call otherwise."""
-        rank = self.session(context.invocation_metadata())
-        if rank is None:
+        """The authenticated worker rank behind a call on the connection that logged in;
+        aborts the call otherwise (before its body is read)."""
+        token = _token(context.invocation_metadata())
+        with self._lock:
+            found = self._sessions.get(token) if token is not None else None
+        if found is None:
             self.refuse(context, None, "call without a valid session (no handshake)", "UNAUTHENTICATED",
                         "no session")
-        return rank  # type: ignore[return-value]
+        rank, peer = found  # type: ignore[misc]
+        if peer != context.peer():
+            self.refuse(context, rank, f"{REBIND} (worker {rank}'s session, logged in from {peer})",
+                        "UNAUTHENTICATED", "session of another connection")
+        return rank
+
+
+def _token(metadata: Any) -> str | None:
+    token = next((m[1] for m in metadata or () if m[0] == SESSION_KEY), None)
+    return token if isinstance(token, str) else None
 
 
 def login(channel: Any, service: str, secret: str, rank: int, ps_index: int, num_workers: int,

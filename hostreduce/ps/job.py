@@ -31,11 +31,12 @@ class PSJob:
     """The client of worker ``rank`` (of ``num_workers``) to the ps at ``ps_addresses``."""
 
     def __init__(self, ps_addresses: Sequence[str], rank: int, num_workers: int, secret: str, *,
-                 timeout_s: float, connect_timeout_s: float, heartbeat_s: float | None = None) -> None:
+                 timeout_s: float, connect_timeout_s: float, heartbeat_s: float | None = None,
+                 tls_ca: bytes | None = None) -> None:
         from .client import PSClient
 
         self.client = PSClient(ps_addresses, rank, num_workers, secret, timeout_s=timeout_s,
-                               connect_timeout_s=connect_timeout_s)
+                               connect_timeout_s=connect_timeout_s, tls_ca=tls_ca)
         self.rank, self.num_workers = rank, num_workers
         self.failure: str | None = None
         self._ended = False

@@ -41,6 +41,7 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
     """
     from ..cluster import resolve_cluster
     from ..config import Config
+    from ..transport.grpc_options import read_pem
     from .server import ParameterServer
 
     spec = resolve_cluster(env=env, roles=True) if cluster is None else cluster
@@ -57,7 +58,9 @@ def server_from_env(*, mode: str = "sync", reduce: str = "mean", timeout_s: floa
                            chief_timeout_s=4 * timeout if chief_timeout_s is None else chief_timeout_s,
                            tune_malloc=config.tune_malloc, nonfinite=nonfinite,
                            startup_timeout_s=config.connect_timeout_s if startup_timeout_s is None
-                           else startup_timeout_s)
+                           else startup_timeout_s, max_message_bytes=config.ps_max_message_bytes,
+                           tls=(read_pem(config.ps_tls_cert, "ps_tls_cert"), read_pem(config.ps_tls_key, "ps_tls_key"))
+                           if config.ps_tls_cert else None)
 
 
 def serve_from_env(**kwargs: Any) -> None:

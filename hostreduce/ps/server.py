@@ -4,7 +4,11 @@ One generic gRPC service (``SERVICE``) bound to exactly the address the cluster
 gives this task. ``Hello``/``Login`` are the handshake (``handshake.py``); every other
 method takes and returns one ``wire`` message and runs only for an authenticated
 worker: which handler a call gets is decided from its metadata before its body is read
-(``_Admission``), so a stranger's call is refused unread and holds no thread. Errors
+(``_Admission``), so a stranger's call is refused unread and holds no thread; the
+handler then checks, still before the body, that the session's token comes on the
+connection that logged in (``handshake.py``) and that the call carries a deadline of at
+most :meth:`ParameterServer.call_limit_s`. gRPC refuses a message over
+``max_message_bytes`` from its length, unbuffered. Errors
 travel as the call's status with ``"<ErrorClass>: message"`` as its details, and the
 client raises the same class.
 
@@ -28,7 +32,8 @@ What a ps accepts from an authenticated worker (a buggy or compromised one inclu
   every worker of it with the same error, and nothing of the step is applied;
 - a pull's names and row ids are checked the same way;
 - control calls are the chief's (worker 0): ``Register`` (and so holding the ps),
-  ``Open``, ``Save``, ``Restore``, ``Shutdown``. ``Save`` and ``Restore`` work only under
+  ``Open``, ``Pause``/``Resume`` (a checkpoint's cut, ``cut.py``), ``Save``, ``Restore``,
+  ``Shutdown``. ``Save`` and ``Restore`` work only under
   the ``model_dir`` the chief registered (its real path: no ``..`` or symbolic link leads
   out), and ``Save`` only at a step the ps has reached (sync: its step; async: the
   highest step a push reported).
@@ -57,10 +62,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ClusterError, ConfigError, HostReduceError, RoleError, TensorMismatchError
-from ..transport.grpc_options import grpc_options
+from ..transport.grpc_options import grpc_options, server_credentials
 from .checkpoint import load_part, read_index, write_shard
 from .wire import METHODS, SERVICE, WireError, pack, unpack
 from .barrier import StepBarrier
+from .cut import ApplyGate
 from .handshake import Gate
 from .placement import Placement
 from .store import Contribution, ShardStore
@@ -69,12 +75,18 @@ __all__ = ["ParameterServer"]
 
 log = logging.getLogger("hostreduce.ps")
 
+# The furthest deadline a call may carry (at least; 4 x timeout_s when longer): the
+# chief's checkpoint and registration calls move whole shards, the others one step.
+_CONTROL_CALLS = frozenset({"Register", "Save", "Restore"})
+_CONTROL_CALL_S, _DATA_CALL_S = 600.0, 60.0
+
 
 class ParameterServer:
     def __init__(self, index: int, ps_addresses: list[str] | tuple[str, ...], num_workers: int, secret: str, *,
                  mode: str = "sync", timeout_s: float = 30.0, reduce: str = "sum",
                  chief_timeout_s: float | None = None, tune_malloc: bool = True, nonfinite: str = "apply",
-                 startup_timeout_s: float | None = None) -> None:
+                 startup_timeout_s: float | None = None, max_message_bytes: int = 1 << 30,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
         if mode not in ("sync", "async"):
             raise ConfigError(f"`mode` must be 'sync' or 'async'. Received: mode={mode!r}")
         if reduce not in ("sum", "mean"):
@@ -92,6 +104,8 @@ class ParameterServer:
         self.store = ShardStore(index)
         self.barrier = StepBarrier(index, num_workers, self._apply_step, lambda: self.store.step, reduce=reduce)
         self.gate = Gate(index, num_workers, len(ps_addresses), secret)
+        self.applies = ApplyGate(index)    # async: pushes counted per worker, paused for a checkpoint's cut
+        self._held: tuple[int, dict[str, np.ndarray]] | None = None  # the last cut's step and snapshot
         self.bytes_in: dict[str, int] = {}
         self.bytes_out: dict[str, int] = {}
         self._seen: dict[int, float] = {}
@@ -110,6 +124,8 @@ class ParameterServer:
         self.refuse_nonfinite = nonfinite == "refuse"
         self.model_dir: str | None = None  # the real path Save and Restore stay under (the chief's Register)
         self._reached = 0                  # async: the highest step a checked push reported
+        self.max_message_bytes = max_message_bytes  # gRPC refuses a larger request unread (Config.ps_max_message_bytes)
+        self._tls = tls                    # (certificate chain, private key) PEM: serve over TLS
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -125,14 +141,17 @@ class ParameterServer:
         # a heartbeat, Done), the chief's control calls, and room for handshakes.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * self.num_workers + 8,
                                                               thread_name_prefix=f"hostreduce-ps{self.index}"),
-                                   options=grpc_options(self.timeout_s))
+                                   options=grpc_options(self.timeout_s, self.max_message_bytes))
         handlers = {"Hello": grpc.stream_unary_rpc_method_handler(self.gate.hello),
                     "Login": grpc.stream_unary_rpc_method_handler(self.gate.login)}
         for name in METHODS:
-            handlers[name] = grpc.unary_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
+            # stream_unary: the handler runs before the body is read, so that it checks the
+            # session's connection and the call's deadline first.
+            handlers[name] = grpc.stream_unary_rpc_method_handler(self._wrap(name, getattr(self, f"_{name.lower()}")))
         self._server.add_generic_rpc_handlers((_Admission(self.gate, handlers),))
         try:
-            bound = self._server.add_insecure_port(addr)
+            bound = (self._server.add_secure_port(addr, server_credentials(*self._tls)) if self._tls
+                     else self._server.add_insecure_port(addr))
         except RuntimeError:
             bound = 0
         if not bound:
@@ -156,6 +175,7 @@ class ParameterServer:
         # Pushes still waiting for a step would hold their threads (and the process's
         # exit) until their wait ends; no worker will complete that step now.
         self.barrier.abort(self.failure or "the chief ended the job")
+        self.applies.abort(self.failure or "the chief ended the job")
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
 
@@ -209,15 +229,34 @@ class ParameterServer:
                 + text)
 
     # ------------------------------------------------------------------ dispatch
-    def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[bytes, Any], bytes]:
-        def handler(request: bytes, context: Any) -> bytes:
+    def call_limit_s(self, name: str) -> float:
+        """The furthest deadline a call of method ``name`` may carry: a call without a
+        deadline, or with a later one, is refused unread, so that no call holds a handler
+        thread for longer (a worker that never sends its request, or a sync push whose
+        step never completes, is bounded by its deadline)."""
+        return max(_CONTROL_CALL_S if name in _CONTROL_CALLS else _DATA_CALL_S, 4 * self.timeout_s)
+
+    def _wrap(self, name: str, fn: Callable[..., tuple[dict, list[np.ndarray]]]) -> Callable[[Any, Any], bytes]:
+        limit = self.call_limit_s(name)
+
+        def handler(request_iterator: Any, context: Any) -> bytes:
             import grpc
 
+            # Before the body is read: the session's connection, then the deadline.
             rank = self.gate.worker(context)
+            left = context.time_remaining()
+            if left > limit:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"ConfigError: ps task {self.index}: a {name} call must carry a deadline of at most "
+                              f"{limit:g} s. Received: " + ("no deadline" if left > 1e9 else f"{left:.0f} s"))
             self._seen[rank] = time.monotonic()
             if rank in self._lost:
                 self._lost.discard(rank)
                 log.warning("ps task %d: worker %d is back", self.index, rank)
+            request = next(request_iterator, None)
+            if request is None:  # cancelled, or its deadline passed, before the request came
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ConfigError: ps task {self.index}: a {name} "
+                              "call without a request")
             self.bytes_in[name] = self.bytes_in.get(name, 0) + len(request)
             try:
                 header, arrays = unpack(request)
@@ -234,6 +273,10 @@ class ParameterServer:
             self.bytes_out[name] = self.bytes_out.get(name, 0) + len(reply)
             return reply
         return handler
+
+    def _logout(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self.gate.logout(ctx)
+        return {}, []
 
     def _info(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         p = self.store.placement
@@ -303,10 +346,16 @@ class ParameterServer:
 
     def _push(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
         step = h.get("step")
+        wait = self._wait_s(ctx)
         if self.mode == "async":
-            part = self._check_push(h, a)
-            self._apply_step(None, part)
-            if type(step) is int and step > self._reached:
+            counted = type(step) is int
+            self.applies.enter(rank, counted, wait)  # waits while the chief holds a checkpoint's cut
+            try:
+                part = self._check_push(h, a)
+                self._apply_step(None, part)
+            finally:
+                self.applies.leave(rank, counted)
+            if counted and step > self._reached:
                 self._reached = step
             return {}, []
         if type(step) is not int:
@@ -315,10 +364,13 @@ class ParameterServer:
             part = self._check_push(h, a)
         except HostReduceError as e:
             raise self.barrier.refuse(rank, step, e) from None
-        left = ctx.time_remaining()
-        wait = self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
         self.barrier.arrive(rank, step, part, wait)
         return {"step": self.store.step}, []
+
+    def _wait_s(self, ctx: Any) -> float:
+        """How long a call may wait for others here: ``timeout_s``, within its deadline."""
+        left = ctx.time_remaining()
+        return self.timeout_s if left is None else max(0.05, min(self.timeout_s, left - 0.5))
 
     def _check_push(self, h: dict, a: list) -> Contribution:
         """The push in ``h`` and ``a``, checked whole (``ShardStore.check_push``)."""
@@ -355,19 +407,54 @@ class ParameterServer:
                             f"dir={directory!r} (real path {real!r})")
         return real
 
-    def _save(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
-        self._chief(rank, "Save")
-        directory = self._checkpoint_dir(h, "Save")
+    def _save_step(self, h: dict, call: str) -> int:
+        """The step ``h`` names, if this ps may save it: in sync mode its own step, in
+        async mode one some push reported."""
         step = h.get("step")
         reached = self.store.step if self.mode == "sync" else max(self.store.step, self._reached)
         if type(step) is not int or step < 0:
-            raise ConfigError(f"`step` of Save must be an integer >= 0. Received: step={step!r}")
+            raise ConfigError(f"`step` of {call} must be an integer >= 0. Received: step={step!r}")
         if (self.mode == "sync" and step != reached) or step > reached:
             raise TensorMismatchError(f"ps task {self.index} is at step {reached}; asked to save step {step}")
-        p = self.store.placement
-        if p is None:
+        if self.store.placement is None:
             raise ConfigError(f"ps task {self.index}: nothing to save, no variables are registered")
-        path = write_shard(directory, step, self.index, p.num_ps, self.store.snapshot())
+        return step
+
+    def _pause(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        """The chief's cut (``cut.py``): hold the async applies, let through the pushes
+        ``until`` names; the counts of pushes settled per worker. (Sync mode: nothing to
+        hold, a step completes only with the chief's push.)"""
+        self._chief(rank, "Pause")
+        until = h.get("until") or {}
+        if not isinstance(until, dict) or not all(
+                isinstance(r, str) and r.isdigit() and int(r) < self.num_workers and type(n) is int and n >= 0
+                for r, n in until.items()):
+            raise ConfigError(f"`until` of Pause must map worker ranks to counts. Received: until={str(until)[:80]}")
+        if self.mode == "sync":
+            return {"settled": {}}, []
+        settled = self.applies.pause({int(r): n for r, n in until.items()}, self._wait_s(ctx),
+                                     lambda: self._lost | set(self._finished))
+        return {"settled": {str(r): n for r, n in settled.items()}}, []
+
+    def _resume(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        """End the chief's cut: snapshot the shard for a ``Save`` of ``snapshot`` (the
+        step), if named, then let the applies go on."""
+        self._chief(rank, "Resume")
+        try:
+            if h.get("snapshot") is not None:
+                step = self._save_step({"step": h["snapshot"]}, "Resume")
+                self._held = (step, self.store.snapshot())
+        finally:
+            self.applies.resume()
+        return {}, []
+
+    def _save(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:
+        self._chief(rank, "Save")
+        directory = self._checkpoint_dir(h, "Save")
+        step = self._save_step(h, "Save")
+        held, self._held = self._held, None
+        arrays = held[1] if held is not None and held[0] == step else self.store.snapshot()
+        path = write_shard(directory, step, self.index, self.store.placement.num_ps, arrays)  # type: ignore[union-attr]
         return {"path": path}, []
 
     def _restore(self, rank: int, h: dict, a: list, ctx: Any) -> tuple[dict, list]:

@@ -19,7 +19,8 @@ __all__ = ["pack", "unpack", "SERVICE", "METHODS", "WireError"]
 
 SERVICE = "hostreduce.ParameterServer"
 # Every method after the handshake; each takes and returns one packed message.
-METHODS = ("Info", "Register", "Open", "PullDense", "PullRows", "Push", "Save", "Restore", "Done", "Shutdown")
+METHODS = ("Info", "Register", "Open", "PullDense", "PullRows", "Push", "Save", "Restore", "Done", "Shutdown",
+           "Logout", "Pause", "Resume")
 _DTYPES = {"float16", "float32", "float64", "int32", "int64"}
 _ALIGN = 8
 MAX_HEADER_BYTES = 16 << 20

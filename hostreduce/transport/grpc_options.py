@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["grpc_options"]
+__all__ = ["grpc_options", "read_pem", "server_credentials", "channel_credentials"]
 
 
-def grpc_options(timeout_s: float) -> list[tuple[str, Any]]:
+def grpc_options(timeout_s: float, max_receive_bytes: int = -1) -> list[tuple[str, Any]]:
     """Options for ``grpc.server`` and ``grpc.insecure_channel`` of a service whose calls
     wait at most ``timeout_s`` for a peer.
 
-    - No message size limit from gRPC: each service bounds what it accepts itself.
+    - Messages sent: no size limit from gRPC. Messages received: at most
+      ``max_receive_bytes`` (-1: no limit, the service bounds what it accepts itself);
+      gRPC refuses a larger message from its length prefix (``RESOURCE_EXHAUSTED``),
+      before buffering it.
     - Keepalive pings every ``timeout_s / 2`` (between 1 and 5 s), also on idle
       connections, so a peer that vanished without closing its socket is noticed; a ping
       unanswered for ``timeout_s`` (at least 1 s) closes the connection, no sooner than
@@ -23,7 +26,7 @@ def grpc_options(timeout_s: float) -> list[tuple[str, Any]]:
     """
     return [
         ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", int(min(5000, max(1000, timeout_s * 500)))),
         ("grpc.keepalive_timeout_ms", int(max(1.0, timeout_s) * 1000)),
@@ -36,3 +39,32 @@ def grpc_options(timeout_s: float) -> list[tuple[str, Any]]:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+
+
+def read_pem(path: str, what: str) -> bytes:
+    """The bytes of the PEM file ``path`` (``what``: the setting that names it, for the error)."""
+    from ..errors import ConfigError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"`{what}` must name a readable PEM file. Received: {what}={path!r} ({e.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"`{what}` must name a PEM file (-----BEGIN ...). Received: {what}={path!r}")
+    return data
+
+
+def server_credentials(cert_chain: bytes, private_key: bytes) -> Any:
+    """TLS for a server: its certificate chain and private key (PEM)."""
+    import grpc
+
+    return grpc.ssl_server_credentials([(private_key, cert_chain)])
+
+
+def channel_credentials(root_certificates: bytes) -> Any:
+    """TLS for a channel that trusts the servers whose certificates ``root_certificates``
+    (PEM: a CA, or the servers' self-signed certificates) signed."""
+    import grpc
+
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
