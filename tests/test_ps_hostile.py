@@ -112,6 +112,12 @@ class _Strangers:
                             channel.unary_unary(method)(b"junk", timeout=10)
                         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
+    def refused(self) -> None:
+        """Wait until the ps has answered every held call, whose request is still held
+        back: a ps answers from the method and metadata alone, without the body."""
+        for _method, call in self.calls:
+            assert call.exception(60) is not None  # a hang guard: an unanswered call fails here
+
     def close(self) -> dict[str, int]:
         """Let the held requests go; how each held call ended, by status."""
         self.release.set()
@@ -136,6 +142,7 @@ def test_held_calls_garbage_and_unknown_methods_leave_a_sync_job_undisturbed(cap
     try:
         with caplog.at_level(logging.WARNING, logger="hostreduce.ps"):
             strangers.hold(HELD_PER_PS)
+            strangers.refused()  # before the job, so that no answer races the ps's end
             strangers.garbage(GARBAGE_PER_PS)
             got = _sync_job(cluster)
             for t in cluster.threads:  # the chief's Shutdown ended every ps
