@@ -21,7 +21,7 @@ INTS = ("uint8", "int8", "uint16", "int16", "int32", "int64")
 FLOATS = ("float16", "float32", "float64")
 
 
-def _run(mode: str, build):
+def run_in_mode(mode: str, build):
     """``build()`` eagerly, traced in a ``tf.function``, or in a TF1 graph by a session."""
     import tensorflow as tf
 
@@ -54,18 +54,18 @@ def check_mode(mode: str, rank: int, size: int) -> int:
         dtype = tf.as_dtype(name)
         base = np.arange(12).reshape(3, 4) % (2 if name in ("uint8", "int8") else 50)
 
-        got = _run(mode, _summed(hvd, tf.constant(base, dtype=dtype).numpy(), dtype))
+        got = run_in_mode(mode, _summed(hvd, tf.constant(base, dtype=dtype).numpy(), dtype))
         assert got.dtype == np.dtype(name) and (got == (base * size).astype(name)).all(), (mode, name, got)
         checks += 1
 
     # Horovod's integer scaling: in float64, truncated back.
-    got = _run(mode, lambda: hvd.allreduce(tf.constant([3, 5], tf.int8), op=hvd.Sum, prescale_factor=0.5))
+    got = run_in_mode(mode, lambda: hvd.allreduce(tf.constant([3, 5], tf.int8), op=hvd.Sum, prescale_factor=0.5))
     assert got.tolist() == [1 * size, 2 * size], (mode, got)
     # bool moves (broadcast, all-gather) but is not reduced.
     flags = np.array([rank % 2 == 0, True])
-    got = _run(mode, lambda: hvd.broadcast(tf.constant(flags), root_rank=size - 1))
+    got = run_in_mode(mode, lambda: hvd.broadcast(tf.constant(flags), root_rank=size - 1))
     assert got.tolist() == [(size - 1) % 2 == 0, True], (mode, got)
-    got = _run(mode, lambda: hvd.allgather(tf.constant(flags)))
+    got = run_in_mode(mode, lambda: hvd.allgather(tf.constant(flags)))
     assert got.tolist() == sum(([r % 2 == 0, True] for r in range(size)), []), (mode, got)
     checks += 3
 
@@ -81,14 +81,14 @@ def check_mode(mode: str, rank: int, size: int) -> int:
 
     # In a TF1 session the forward and backward collectives of one run start in any
     # order: the engines agree on the order (the MPI engine too).
-    g_sum, g_gather, g_bcast = _run(mode, gradients)
+    g_sum, g_gather, g_bcast = run_in_mode(mode, gradients)
     assert (g_sum == size).all(), (mode, g_sum)
     assert (g_gather == 2.0).all(), (mode, g_gather)
     assert (g_bcast == (1.0 if rank == 0 else 0.0)).all(), (mode, g_bcast)
     checks += 3
 
     # The layout ops.
-    ops = _run(mode, lambda: [hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(), hvd.local_size_op(),
+    ops = run_in_mode(mode, lambda: [hvd.rank_op(), hvd.size_op(), hvd.local_rank_op(), hvd.local_size_op(),
                               hvd.process_set_included_op(0)])
     assert [int(v) for v in ops] == [rank, size, hvd.local_rank(), hvd.local_size(), 1], (mode, ops)
     return checks + 1
@@ -110,12 +110,12 @@ def check_graph_errors(rank: int, size: int) -> int:
     for mode in ("graph", "function"):
         for i, case in enumerate(cases):
             try:
-                _run(mode, case)
+                run_in_mode(mode, case)
             except tf.errors.FailedPreconditionError:
                 pass
             else:
                 raise AssertionError(f"{mode} case {i}: no FailedPreconditionError")
-            got = _run(mode, lambda: hvd.allreduce(tf.constant([1.0]), op=hvd.Sum))
+            got = run_in_mode(mode, lambda: hvd.allreduce(tf.constant([1.0]), op=hvd.Sum))
             assert got.tolist() == [float(size)], (mode, i, got)
     return 2 * len(cases)
 

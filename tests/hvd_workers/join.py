@@ -17,26 +17,12 @@ import sys
 
 import numpy as np
 
+from tests.hvd_workers.horovod_exact import run_in_mode
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 DTYPES = ("int32", "int64", "float16", "float32", "float64")
 MODES = ("eager", "function", "graph")
-
-
-def _run(mode: str, build):
-    """``build()`` eagerly, traced in a ``tf.function``, or in a TF1 graph by a session."""
-    import tensorflow as tf
-
-    if mode == "eager":
-        out = build()
-    elif mode == "function":
-        out = tf.function(build)()
-    else:
-        with tf.Graph().as_default():
-            fetches = build()
-            with tf.compat.v1.Session() as session:
-                return session.run(fetches)
-    return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
 
 
 def check_join_allreduce(mode: str, rank: int, size: int) -> int:
@@ -51,10 +37,10 @@ def check_join_allreduce(mode: str, rank: int, size: int) -> int:
         dtype = tf.as_dtype(name)
         value = rng.uniform(-100, 100, [17] * dim).astype(name)
         if rank == first_join_rank:
-            ret = _run(mode, hvd.join)
+            ret = run_in_mode(mode, hvd.join)
         else:
-            summed = _run(mode, lambda: hvd.allreduce(tf.constant(value, dtype=dtype), op=hvd.Sum))
-            ret = _run(mode, hvd.join)
+            summed = run_in_mode(mode, lambda: hvd.allreduce(tf.constant(value, dtype=dtype), op=hvd.Sum))
+            ret = run_in_mode(mode, hvd.join)
             expected = value.astype(np.float64) * (size - 1)
             threshold = 0 if size <= 3 or name.startswith("int") else 1e-4
             assert summed.dtype == np.dtype(name) and summed.shape == value.shape, (mode, name, summed.dtype)
@@ -77,11 +63,11 @@ def check_average_and_fusion(mode: str, rank: int, size: int) -> int:
     b = np.arange(17, dtype=np.float64) * 2.0
     for first_join_rank in range(size):
         if rank == first_join_rank:
-            ret = _run(mode, hvd.join)
+            ret = run_in_mode(mode, hvd.join)
         else:
-            got_a, got_b = _run(mode, lambda: hvd.grouped_allreduce([tf.constant(a), tf.constant(b)],
+            got_a, got_b = run_in_mode(mode, lambda: hvd.grouped_allreduce([tf.constant(a), tf.constant(b)],
                                                                     op=hvd.Average))
-            ret = _run(mode, hvd.join)
+            ret = run_in_mode(mode, hvd.join)
             others = [r for r in range(size) if r != first_join_rank]
             expected_a = sum(np.arange(15, dtype=np.float32).reshape(5, 3) + r for r in others) / size
             np.testing.assert_allclose(got_a, expected_a, rtol=1e-6)
@@ -102,15 +88,15 @@ def check_refused_while_joined(mode: str, rank: int, size: int) -> int:
              lambda: hvd.reducescatter(tf.ones([4, 2]), op=hvd.Sum)]
     for case, first_join_rank in itertools.product(cases, range(size)):
         if rank == first_join_rank:
-            ret = _run(mode, hvd.join)
+            ret = run_in_mode(mode, hvd.join)
         else:
             try:
-                _run(mode, case)
+                run_in_mode(mode, case)
             except tf.errors.FailedPreconditionError:
                 pass
             else:
                 raise AssertionError(f"{mode}: no FailedPreconditionError while rank {first_join_rank} joined")
-            ret = _run(mode, hvd.join)
+            ret = run_in_mode(mode, hvd.join)
         assert int(ret) != first_join_rank, (mode, ret)
     return 1
 
