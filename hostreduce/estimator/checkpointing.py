@@ -108,6 +108,12 @@ class Checkpointing:
             return
         meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
                 ("ended" if input_ended else "not checkpointable")}
+        existing = self.files.find(step)  # type: ignore[union-attr]
+        if existing is not None:
+            # Written already (the end of train() at a step a periodic save wrote): the
+            # files of a step are never rewritten, so neither are the ps shards beside
+            # them, which must stay the same point as the chief's variables.
+            return
         if self.ps is not None:
             self.ps.before_save(step)
         path = self.files.save(step, variables(), meta, inputs)  # type: ignore[union-attr]
