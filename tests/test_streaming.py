@@ -30,8 +30,10 @@ def _check_rank(events: list[dict], rank: int) -> None:
             overlapped += 1
     # Backward order: the output layer's gradients are handed off before the input layer's.
     # Steps run one after another (a step's host apply waits for all its 18 reductions),
-    # so the reductions sorted by start time fall into consecutive groups of 18.
-    in_time = sorted(reductions, key=lambda e: e["ts"])
+    # so the hand-offs sorted by time fall into consecutive groups of 18. (The order in
+    # which the engine then starts the reductions depends on when every rank has
+    # announced each one, not on this rank's backward pass.)
+    in_time = sorted(handoffs, key=lambda e: e["ts"])
     for k in range(1, STEPS):  # the first step includes start-up work
         order = [e["args"]["index"] for e in in_time[18 * k: 18 * (k + 1)]]
         # (TensorFlow may schedule the small bias gradients late; the kernels, 0..16 even,
