@@ -14,13 +14,11 @@ import json
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -32,12 +30,11 @@ from hostreduce.ps import Adam, wire
 from hostreduce.ps.client import PSClient
 from hostreduce.ps.handshake import SESSION_KEY, login
 from tests.ps_helpers import LocalCluster, model_values, worker_grads
+from tests.ps_strangers import GARBAGE_PER_PS, HELD_PER_PS, Strangers
 
 pytestmark = pytest.mark.timeout(240)
 
 PS_SCRIPT = Path(__file__).resolve().parent / "ps_scripts" / "serve_ps.py"
-HELD_PER_PS = 200         # calls whose request never arrives, each on a connection of its own
-GARBAGE_PER_PS = 1000     # connections sending random bytes or an HTTP/2 preface and junk
 STEPS = 4
 
 
@@ -71,66 +68,6 @@ def _sync_job(cluster: LocalCluster) -> dict[str, bytes]:
     return out
 
 
-class _Strangers:
-    """Calls without credentials held open on every ps, and garbage sent to it."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.release = threading.Event()
-        self.channels: list[Any] = []
-        self.calls: list[tuple[str, Any]] = []
-        self.addresses = addresses
-
-    def _never(self):
-        self.release.wait(120)  # the request never arrives while the job runs
-        return
-        yield
-
-    def hold(self, per_ps: int) -> None:
-        methods = ["Push", "PullRows", "Shutdown", "Hello", "Login", "Register"]
-        for addr in self.addresses:
-            for i in range(per_ps):
-                # A connection per call (no subchannel shared between channels).
-                channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
-                self.channels.append(channel)
-                method = f"/{wire.SERVICE}/{methods[i % len(methods)]}"
-                metadata = (("hr-session", secrets.token_hex(16)),) if i % 2 else ()
-                call = channel.stream_unary(method).future(self._never(), timeout=120, metadata=metadata)
-                self.calls.append((method, call))
-
-    def garbage(self, per_ps: int) -> None:
-        preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-        for addr in self.addresses:
-            host, port = addr.rsplit(":", 1)
-            for i in range(per_ps):
-                with socket.create_connection((host, int(port)), timeout=10) as s:
-                    s.sendall((preface if i % 2 else b"") + os.urandom(512))
-        for addr in self.addresses:
-            with grpc.insecure_channel(addr) as channel:
-                for method in ("/hostreduce.ParameterServer/Nope", "/grpc.health.v1.Health/Check", "/x"):
-                    for _ in range(per_ps // 30):
-                        with pytest.raises(grpc.RpcError) as info:
-                            channel.unary_unary(method)(b"junk", timeout=10)
-                        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-
-    def refused(self) -> None:
-        """Wait until the ps has answered every held call, whose request is still held
-        back: a ps answers from the method and metadata alone, without the body."""
-        for _method, call in self.calls:
-            assert call.exception(60) is not None  # a hang guard: an unanswered call fails here
-
-    def close(self) -> dict[str, int]:
-        """Let the held requests go; how each held call ended, by status."""
-        self.release.set()
-        ended: dict[str, int] = {}
-        for method, call in self.calls:
-            code = call.exception(60).code()  # a hang guard
-            ended[f"{method.rsplit('/', 1)[1]} {code.name}"] = ended.get(f"{method.rsplit('/', 1)[1]} {code.name}",
-                                                                           0) + 1
-        for channel in self.channels:
-            channel.close()
-        return ended
-
-
 def test_held_calls_garbage_and_unknown_methods_leave_a_sync_job_undisturbed(caplog):
     undisturbed = LocalCluster(2, 2, timeout_s=10.0)
     try:
@@ -138,7 +75,7 @@ def test_held_calls_garbage_and_unknown_methods_leave_a_sync_job_undisturbed(cap
     finally:
         undisturbed.stop_and_join()
     cluster = LocalCluster(2, 2, timeout_s=10.0)
-    strangers = _Strangers(cluster.addresses)
+    strangers = Strangers(cluster.addresses)
     try:
         with caplog.at_level(logging.WARNING, logger="hostreduce.ps"):
             strangers.hold(HELD_PER_PS)

@@ -34,8 +34,21 @@ parser.add_argument("--fail-how", choices=("kill", "raise", "both"), default="ra
                     help="SIGKILL itself or raise; both: worker 1 is killed and worker 2 raises")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step of the chief lasts more")
 parser.add_argument("--train-and-evaluate", action="store_true", help="train_and_evaluate (with an evaluator task)")
+parser.add_argument("--marks", help="a directory of test events: each ps writes ps-K (its pid and address) there "
+                    "before it serves; the chief marks chief-step-1 after its first step and waits for 'resume'")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+if args.marks:
+    import json
+
+    from tests.marks import mark, wait_for_marks
+
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    if task.get("type") == "ps":
+        address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][task["index"]]
+        with open(os.path.join(args.marks, f".ps-{task['index']}"), "w") as f:
+            json.dump({"pid": os.getpid(), "address": address}, f)
+        os.rename(os.path.join(args.marks, f".ps-{task['index']}"), os.path.join(args.marks, f"ps-{task['index']}"))
 if args.progress:
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
 
@@ -98,6 +111,9 @@ rank = 0 if args.reference or estimator.strategy.role != "worker" else estimator
 
 
 def hook(step, loss):
+    if rank == 0 and args.marks and step == 1:  # the test acts between the chief's steps 1 and 2
+        mark(args.marks, "chief-step-1")
+        wait_for_marks(args.marks, ["resume"], timeout=240)
     if rank == 0 and args.step_sleep:  # the chief's simulated longer steps (only their sum matters)
         time.sleep(args.step_sleep)
     failing = {"kill": {1: "kill"}, "raise": {1: "raise"}, "both": {1: "kill", 2: "raise"}}[args.fail_how]
