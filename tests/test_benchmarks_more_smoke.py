@@ -124,3 +124,17 @@ def test_synthetic_runs_the_given_files_with_the_alias(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(BENCH / "synthetic.py"), "--horovod-src", str(tmp_path / "nowhere")],
                          cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--horovod-src must be a checkout of Horovod's source" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_ps_checks_quick_times_both_ps_checks_and_apply(tmp_path: Path) -> None:
+    proc = _run("ps_checks.py", tmp_path, timeout=100)
+    result = json.loads((tmp_path / "ps_checks.json").read_text())
+    assert (tmp_path / "ps_checks.png").stat().st_size > 0
+    assert result["vocab"] == 20_000 and result["reps"] == 10
+    assert set(result["per_ps"]) == {"ps0", "ps1"}
+    for part in result["per_ps"].values():
+        assert set(part["median_ms"]) == {"check", "check_finite", "apply"}
+        assert all(v > 0 for v in part["median_ms"].values())
+        assert part["rows"] and sum(part["rows"].values()) > 0  # each ps holds a share of the looked-up rows
+    assert "per sync step of 2 workers" in proc.stdout
