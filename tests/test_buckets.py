@@ -345,3 +345,54 @@ def test_bucket_names_carry_the_members_shapes() -> None:
     _hand_off_all(slots, [np.ones((17, 6), np.float32)])
     reducer.release()
     assert reducer.calls[0][0] == "g/0", reducer.calls
+
+
+def test_exchange_on_the_ring_fuses_runs_of_small_tensors_into_one_op_pair_and_one_collective() -> None:
+    """On an engine that negotiates by name (``ordered=False``), ``exchange`` gives each run
+    of consecutive small all-reduces (``SMALL_BUCKET_BYTES`` together) one bucket, one
+    hand-off op and one wait op; a larger tensor goes alone. The MNIST model's shapes:
+    six gradients become two collectives and four ops, in a ``tf.function`` and in a TF1
+    graph, with every result in its own shape."""
+    import tensorflow as tf
+
+    from hostreduce.streaming import exchange
+    from hostreduce.streaming.handoff import SMALL_BUCKET_BYTES
+
+    shapes = [(784, 256), (256,), (256, 128), (128,), (128, 10), (10,)]  # creation order
+    assert 784 * 256 * 4 > SMALL_BUCKET_BYTES > sum(4 * int(np.prod(s)) for s in shapes[1:])
+    values = [np.random.default_rng(i).normal(size=s).astype(np.float32) for i, s in enumerate(shapes)]
+
+    class Instant(TwoRanks):
+        def allreduce_async(self, name: str, array: np.ndarray, op: str = "sum", out: Any = None) -> Handle:
+            handle = super().allreduce_async(name, array, op, out)
+            self.release()
+            return handle
+
+    def check(results: list[np.ndarray], reducer: Instant, steps: int) -> None:
+        """The results, and two collectives per step: the big kernel alone, the rest fused."""
+        assert all(np.array_equal(r, 2 * v) for r, v in zip(results, values))
+        assert len(reducer.calls) == 2 * steps
+        bucket, kernel = sorted(reducer.calls[-2:])
+        assert kernel == ("g/0", np.float32, 784 * 256), kernel
+        assert bucket[0].startswith("bucket:g/5..g/1#"), bucket
+        assert bucket[2] == sum(int(np.prod(s)) for s in shapes[1:]), bucket
+
+    reducer = Instant()
+    channel = Channel(lambda: reducer, ordered=False)
+    collectives = [Collective("allreduce", f"g/{i}", "sum") for i in range(len(shapes))]
+    step = tf.function(lambda *xs: exchange(channel, list(xs), collectives))
+    for n in range(1, 4):
+        check([r.numpy() for r in step(*values)], reducer, n)
+    ops = [op for op in step.get_concrete_function(*values).graph.get_operations() if op.type == "PyFunc"
+           or op.type == "PyFuncStateless" or op.type == "EagerPyFunc"]
+    assert len(ops) == 4, [op.name for op in ops]
+    assert len(reducer.calls) == 6
+
+    reducer = Instant()
+    channel = Channel(lambda: reducer, ordered=False)
+    graph = tf.Graph()
+    with graph.as_default():
+        results = exchange(channel, [tf.constant(v) for v in values], collectives)
+    assert [r.shape.as_list() for r in results] == [list(s) for s in shapes]
+    with tf.compat.v1.Session(graph=graph) as session:
+        check(session.run(results), reducer, 1)

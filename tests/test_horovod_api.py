@@ -20,6 +20,7 @@ from tests.hvd_workers import hvd_api  # noqa: E402
 from tests.mpi_workers.mpi_launch import mpi_skip_reason  # noqa: E402
 from tests.script_jobs import base_env, run_launcher, run_mpirun  # noqa: E402
 from tests.weights_check import check_training as _check_training  # noqa: E402
+from tests.timeline_spans import reduction_starts  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -63,7 +64,7 @@ def test_first_reduction_starts_before_the_backward_pass_ends(ring: dict) -> Non
     for rank, result in enumerate(ring[2]):
         spans = [e for e in result["timeline"] if e.get("ph") == "X"]
         # The output layer's gradient is produced first, the input layer's last.
-        last = [e["ts"] for e in spans if e["name"].startswith("allreduce") and e["name"].endswith("last/kernel")]
+        last = reduction_starts(spans, "last/kernel")  # small: it may travel in a bucket with its neighbours
         first = [e["ts"] for e in spans if e["name"].startswith("hand-off") and e["name"].endswith("first/kernel")]
         assert len(last) == len(first) == 6, (rank, len(last), len(first))
         # Steps after the first (which includes start-up work): the last layer's reduction
@@ -140,14 +141,15 @@ def test_clear_errors_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_handoff_ops_in_a_graph_follow_the_engines_ordering(ordered: bool) -> None:
     """Ordered engines (MPI, Horovod's core ops): hand-offs chained last tensor first, so
     every rank submits in one order; the ring: unchained. Either way every wait op runs
-    after every hand-off of its group."""
+    after every hand-off of its group. (On the ring, ``bucket_bytes=0`` keeps these small
+    tensors apart: by default they would share one bucket and one op, test_buckets.py.)"""
     import tensorflow as tf
 
     from hostreduce.reducers.local import LocalReducer
     from hostreduce.streaming import Channel, Collective, exchange
 
     reducer = LocalReducer()
-    channel = Channel(lambda: reducer, ordered)
+    channel = Channel(lambda: reducer, ordered, bucket_bytes=None if ordered else 0)
 
     @tf.function
     def step(a, b, c):

@@ -18,7 +18,8 @@ order. Every tensor's handle completes when its bucket does.
 
 The ring fuses in its coordinator instead (what is ready on every rank, by name, with
 no wait for a bucket to fill), so on the ring every bucket holds one tensor unless
-``Channel.bucket_bytes`` asks otherwise.
+``Channel.bucket_bytes`` asks otherwise (``handoff.exchange`` asks for buckets of small
+tensors).
 
 The communication hook. Each bucket goes to the reducer through a hook, ``hook(reducer,
 bucket) -> Handle``, as PyTorch DDP's communication hooks do: ``bucket.buffer`` is the
@@ -219,7 +220,8 @@ class Fusion:
                 what, args = first.label, {"index": first.index}
             else:
                 what = f"bucket {bucket.index} ({len(bucket.slots)} tensors)"
-                args = {"indices": [s.index for s in bucket.slots], "bytes": spec.nbytes}
+                args = {"indices": [s.index for s in bucket.slots], "tensors": [s.label for s in bucket.slots],
+                        "bytes": spec.nbytes}
             row = timeline.reduce_row(what)
             handle.add_done_callback(lambda _h: timeline.span(f"allreduce {what}", submitted, now_us(), "reduce",
                                                               row, args))
