@@ -69,8 +69,22 @@ SMALL_BUCKET_BYTES = 256 << 10
 def handoff_ops(slots: Sequence[Slot], tensors: Sequence[Any], stateful: bool, defer: bool = False) -> list[Any]:
     """Add one hand-off op per tensor to the graph being traced, last tensor first.
 
-    Returns one int32 token per tensor; something must depend on each token (or the
-    ops must be stateful) so that TensorFlow does not prune the op.
+    Returns one int32 token per tensor (in the order of ``tensors``); something must
+    depend on each token (or the ops must be stateful) so that TensorFlow does not
+    prune the op. See :func:`_unit_handoffs` for ``stateful``.
+    """
+    units = _single_units(len(slots))
+    tokens = _unit_handoffs(slots, tensors, units, stateful, defer)
+    by_index: list[Any] = [None] * len(slots)
+    for unit, token in zip(units, tokens):
+        by_index[unit[0]] = token
+    return by_index
+
+
+def _unit_handoffs(slots: Sequence[Slot], tensors: Sequence[Any], units: Sequence[Sequence[int]], stateful: bool,
+                   defer: bool = False) -> list[Any]:
+    """Add one hand-off op per unit (a list of slot indices), in the order of ``units``;
+    return one int32 token per unit.
 
     ``stateful`` ops (an ordered engine, or a chained group) also wait for the hand-off
     created before them. ``tf.function`` orders stateful ops by itself; a TF1 graph run
@@ -80,15 +94,21 @@ def handoff_ops(slots: Sequence[Slot], tensors: Sequence[Any], stateful: bool, d
     """
     import tensorflow as tf
 
-    tokens: list[Any] = [None] * len(tensors)
+    tokens: list[Any] = []
     previous: list[Any] = []
-    for i in range(len(tensors) - 1, -1, -1):
+    for unit in units:
         with tf.control_dependencies(previous):
-            tokens[i] = tf.numpy_function(_handoff_callback(slots[i], defer), [tensors[i]], tf.int32,
-                                          stateful=stateful, name=f"hostreduce_handoff_{i}")
+            token = tf.numpy_function(_handoff_callback([slots[i] for i in unit], defer), [tensors[i] for i in unit],
+                                      tf.int32, stateful=stateful, name=f"hostreduce_handoff_{unit[0]}")
         if stateful:
-            previous = [tokens[i]]
+            previous = [token]
+        tokens.append(token)
     return tokens
+
+
+def _single_units(count: int) -> list[list[int]]:
+    """Every slot its own unit, last first (the order a backward pass produces them)."""
+    return [[i] for i in range(count - 1, -1, -1)]
 
 
 def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,22 +119,23 @@ def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
     return tf.autograph.experimental.do_not_convert(fn)
 
 
-def _handoff_callback(slot: Slot, defer: bool) -> Callable[[np.ndarray], np.ndarray]:
+def _handoff_callback(members: Sequence[Slot], defer: bool) -> Callable[..., np.ndarray]:
     @_plain
-    def handoff(value: np.ndarray) -> np.ndarray:
-        if defer:
-            slot.stage(value, timed=True)
-        else:
-            slot.hand_off(value)
-        return np.int32(slot.index)
+    def handoff(*values: np.ndarray) -> np.ndarray:
+        for slot, value in zip(members, values):
+            if defer:
+                slot.stage(value, timed=True)
+            else:
+                slot.hand_off(value)
+        return np.int32(members[0].index)
 
     return handoff
 
 
-def _wait_callback(slot: Slot) -> Callable[..., np.ndarray]:
+def _wait_callback(members: Sequence[Slot]) -> Callable[..., list[np.ndarray]]:
     @_plain
-    def wait(*_token: Any) -> np.ndarray:
-        return slot.wait()
+    def wait(*_token: Any) -> list[np.ndarray]:
+        return [slot.wait() for slot in members]
 
     return wait
 
@@ -175,34 +196,8 @@ def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Col
             slots[i].hand_off(tensors[i].numpy())
         done = [tf.convert_to_tensor(slot.wait()) for slot in slots]
         return (done, None) if statuses else done
-    if batched:
-        return _batched_ops(slots, tensors, statuses)
-
-    tokens = handoff_ops(slots, tensors, stateful=chained or channel.ordered)
-    results: list[Any] = [None] * len(slots)
-    status: list[Any] = [None] * len(slots)
-    with tf.control_dependencies(tokens):
-        for i in range(len(slots) - 1, -1, -1):
-            tensor, slot = tensors[i], slots[i]
-            # Stateful: the wait runs even if its result is unused, so no collective is
-            # left in flight on a buffer that the next step reuses.
-            if statuses:
-                one = _wait_callback(slot)
-                wait = with_status(lambda *token, one=one: [one(*token)], [tensor.dtype.as_numpy_dtype],
-                                   slot.collective.display)
-                out, status[i] = tf.numpy_function(_plain(wait), [tokens[i]], [tensor.dtype, tf.int32],
-                                                   stateful=True, name=f"hostreduce_wait_{i}")
-            else:
-                out = tf.numpy_function(_wait_callback(slot), [tokens[i]], tensor.dtype, stateful=True,
-                                        name=f"hostreduce_wait_{i}")
-            if slot.collective.kind == "allgather":
-                rank = tensor.shape.rank
-                if rank is not None:
-                    out.set_shape([None] + tensor.shape.as_list()[1:])
-            else:
-                out.set_shape(tensor.shape)
-            results[i] = out
-    return (results, status) if statuses else results
+    units = _units(slots) if batched else _single_units(len(slots))
+    return _graph_ops(slots, tensors, units, stateful=chained or channel.ordered, statuses=statuses)
 
 
 def _units(slots: Sequence[Slot]) -> list[list[int]]:
@@ -224,23 +219,22 @@ def _units(slots: Sequence[Slot]) -> list[list[int]]:
     return units
 
 
-def _batched_ops(slots: Sequence[Slot], tensors: Sequence[Any], statuses: bool) -> Any:
-    """:func:`exchange`'s graph ops with one hand-off op and one wait op per unit
-    (:func:`_units`), unordered: every wait op depends on every hand-off of the group."""
+def _graph_ops(slots: Sequence[Slot], tensors: Sequence[Any], units: Sequence[Sequence[int]], stateful: bool,
+               statuses: bool) -> Any:
+    """:func:`exchange`'s graph ops: one hand-off op and one wait op per unit. Every
+    wait op depends on every hand-off of the group; wait ops are stateful (each runs
+    even if its result is unused, so no collective is left in flight on a buffer that
+    the next step reuses) and are created in the order of ``units``."""
     import tensorflow as tf
 
-    units = _units(slots)
-    tokens = []
-    for unit in units:
-        tokens.append(tf.numpy_function(_unit_handoff_callback([slots[i] for i in unit]), [tensors[i] for i in unit],
-                                        tf.int32, stateful=False, name=f"hostreduce_handoff_{unit[0]}"))
+    tokens = _unit_handoffs(slots, tensors, units, stateful)
     results: list[Any] = [None] * len(slots)
     status: list[Any] = [None] * len(slots)
     with tf.control_dependencies(tokens):
         for unit, token in zip(units, tokens):
             members = [slots[i] for i in unit]
             dtypes = [tensors[i].dtype for i in unit]
-            wait = _unit_wait_callback(members)
+            wait = _wait_callback(members)
             if statuses:
                 label = members[0].collective.display if len(members) == 1 else \
                     f"{members[0].collective.display} .. {members[-1].collective.display}"
@@ -259,24 +253,6 @@ def _batched_ops(slots: Sequence[Slot], tensors: Sequence[Any], statuses: bool) 
                     out.set_shape(tensor.shape)
                 results[i], status[i] = out, unit_status
     return (results, status) if statuses else results
-
-
-def _unit_handoff_callback(members: Sequence[Slot]) -> Callable[..., np.ndarray]:
-    @_plain
-    def handoff(*values: np.ndarray) -> np.ndarray:
-        for slot, value in zip(members, values):
-            slot.hand_off(value)
-        return np.int32(members[0].index)
-
-    return handoff
-
-
-def _unit_wait_callback(members: Sequence[Slot]) -> Callable[..., list[np.ndarray]]:
-    @_plain
-    def wait(*_token: Any) -> list[np.ndarray]:
-        return [slot.wait() for slot in members]
-
-    return wait
 
 
 def _static_spec(tensor: Any, collective: Collective) -> dict[str, Any]:
