@@ -43,9 +43,10 @@ if args.marks:
 
     from tests.marks import mark, wait_for_marks
 
-    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    tf_config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    task = tf_config.get("task", {})
     if task.get("type") == "ps":
-        address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][task["index"]]
+        address = tf_config["cluster"]["ps"][task["index"]]
         with open(os.path.join(args.marks, f".ps-{task['index']}"), "w") as f:
             json.dump({"pid": os.getpid(), "address": address}, f)
         os.rename(os.path.join(args.marks, f".ps-{task['index']}"), os.path.join(args.marks, f"ps-{task['index']}"))
