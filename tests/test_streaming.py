@@ -155,3 +155,48 @@ def test_host_collectives_of_one_call_keep_their_order_in_a_tf1_session() -> Non
             values = session.run(outs)
             assert seen == list(range(count))
             assert all(np.array_equal(v, np.full((i + 1,), i, np.float32)) for i, v in enumerate(values))
+
+
+def test_host_callbacks_of_a_traced_step_run_unconverted() -> None:
+    """A step traced with AutoGraph (``tf.function``'s default) converts what it calls;
+    hostreduce's entry points stop that, so the host callbacks that run at every step
+    (hand-off, wait, host collectives) run as written, not as AutoGraph's converted
+    code (which cost several times the collective's own CPU)."""
+    import inspect
+
+    import numpy as np
+    import tensorflow as tf
+
+    from hostreduce.reducers.local import LocalReducer
+    from hostreduce.streaming import Channel, Collective, exchange
+    from hostreduce.streaming.host_collective import host_collective
+
+    converted: list[str] = []
+
+    def note() -> None:
+        converted.extend(f.function for f in inspect.stack(0) if "__autograph_generated" in f.filename)
+
+    class Watching(LocalReducer):
+        def _allreduce_async(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            note()
+            return super()._allreduce_async(*args, **kwargs)
+
+    reducer = Watching()
+    channel = Channel(lambda: reducer, ordered=False)
+
+    def add_one(_reducer: object, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        note()
+        return [arrays[0] + 1.0]
+
+    def users_helper(x: tf.Tensor) -> list[tf.Tensor]:  # converted by the step's AutoGraph
+        reduced, _ = exchange(channel, [x, 2.0 * x], [Collective("allreduce", "a"), Collective("allreduce", "b")],
+                              statuses=True)
+        plain = exchange(channel, [x], [Collective("allreduce", "c")])
+        hosted = host_collective(channel, "h", add_one, [x], [tf.float32], [x.shape])
+        return reduced + plain + hosted
+
+    step = tf.function(lambda x: users_helper(x))
+    for _ in range(3):
+        out = step(tf.constant(np.arange(4, dtype=np.float32)))
+    assert [o.numpy().tolist() for o in out] == [[0, 1, 2, 3], [0, 2, 4, 6], [0, 1, 2, 3], [1, 2, 3, 4]]
+    assert converted == [], f"converted frames in the host callbacks: {converted}"

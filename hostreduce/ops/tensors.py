@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, UnsupportedCallError
 from ..streaming import Collective, exchange
+from ..streaming.autograph import not_converted
 from ..streaming.host_collective import in_order
 from . import job as _engine
 from .gradients import differentiable, differentiable_group
@@ -27,6 +28,7 @@ __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Adasum", "Product", "Pro
            "reduce_gradients"]
 
 
+@not_converted
 def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *, labels: Sequence[str] | None = None,
                    compression: Any = Compression.none, prescale_factor: Any = 1.0, postscale_factor: Any = 1.0,
                    chained: bool = False, typed: bool = False) -> list[Any]:
@@ -85,6 +87,7 @@ def reduce_tensors(tensors: Sequence[Any], op: ReduceOp, names: Sequence[str], *
     return out
 
 
+@not_converted
 def reduce_gradients(gradients: Sequence[Any], labels: Sequence[str], *, op: ReduceOp, compression: Any,
                      sparse_as_dense: bool, predivide: float = 1.0) -> list[Any]:
     """Gradients reduced over the job, as one group (None passes through): what
@@ -107,6 +110,7 @@ def reduce_gradients(gradients: Sequence[Any], labels: Sequence[str], *, op: Red
                           compression=compression, prescale_factor=pre, postscale_factor=post)
 
 
+@not_converted
 def _typed_exchange(channel: Any, tensors: list[Any], collectives: list[Collective], chained: bool = True
                     ) -> list[Any]:
     """:func:`exchange` for a face's collectives: in a graph, ranks that disagree raise

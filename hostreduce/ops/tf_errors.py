@@ -12,6 +12,7 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import (CollectiveTimeoutError, ConfigError, HostReduceError, JoinedRankError, PeerLostError,
                       ReducerClosedError, TensorMismatchError, UnmatchedCollectiveError, with_framework_type)
+from ..streaming.autograph import not_converted
 
 __all__ = ["as_tf_error", "tf_errors", "checked"]
 
@@ -51,8 +52,10 @@ def as_tf_error(error: BaseException) -> BaseException:
 
 
 def tf_errors(fn: F) -> F:
-    """Decorate a collective: hostreduce errors leave it as their TensorFlow types too."""
+    """Decorate a collective: hostreduce errors leave it as their TensorFlow types too,
+    and a traced step's AutoGraph does not convert it (``streaming.autograph``)."""
 
+    @not_converted
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:

@@ -52,6 +52,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..reducers.base import SUPPORTED_DTYPES
 from ..timeline import Timeline
+from .autograph import not_converted, plain
 from .disagreement import with_status
 from .slots import Channel, Collective, Slot, fuse
 
@@ -111,16 +112,8 @@ def _single_units(count: int) -> list[list[int]]:
     return [[i] for i in range(count - 1, -1, -1)]
 
 
-def _plain(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Keep autograph from converting a callback (it would on every call, in a step
-    traced with autograph on)."""
-    import tensorflow as tf
-
-    return tf.autograph.experimental.do_not_convert(fn)
-
-
 def _handoff_callback(members: Sequence[Slot], defer: bool) -> Callable[..., np.ndarray]:
-    @_plain
+    @plain
     def handoff(*values: np.ndarray) -> np.ndarray:
         for slot, value in zip(members, values):
             if defer:
@@ -133,7 +126,7 @@ def _handoff_callback(members: Sequence[Slot], defer: bool) -> Callable[..., np.
 
 
 def _wait_callback(members: Sequence[Slot]) -> Callable[..., list[np.ndarray]]:
-    @_plain
+    @plain
     def wait(*_token: Any) -> list[np.ndarray]:
         return [slot.wait() for slot in members]
 
@@ -152,6 +145,7 @@ def _check_dtype(tensor: Any, collective: Collective) -> None:
                           f"broadcast or all-gathered. Received: dtype={tensor.dtype.name}")
 
 
+@not_converted
 def exchange(channel: Channel, tensors: Sequence[Any], collectives: Sequence[Collective], *,
              chained: bool = False, statuses: bool = False) -> Any:
     """Run one collective per tensor through the host reducer; return the results.
@@ -238,7 +232,7 @@ def _graph_ops(slots: Sequence[Slot], tensors: Sequence[Any], units: Sequence[Se
             if statuses:
                 label = members[0].collective.display if len(members) == 1 else \
                     f"{members[0].collective.display} .. {members[-1].collective.display}"
-                wait = _plain(with_status(wait, [d.as_numpy_dtype for d in dtypes], label))
+                wait = plain(with_status(wait, [d.as_numpy_dtype for d in dtypes], label))
                 *outs, unit_status = tf.numpy_function(wait, [token], dtypes + [tf.int32], stateful=True,
                                                        name=f"hostreduce_wait_{unit[0]}")
             else:
@@ -350,7 +344,7 @@ class HostCallExchange:
         return results
 
     def _wait_one(self, slot: Slot) -> Callable[[], np.ndarray]:
-        @_plain
+        @plain
         def wait() -> np.ndarray:
             try:
                 return slot.wait(self.timeout)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..timeline import now_us
+from .autograph import not_converted, plain
 from .disagreement import with_status
 from .slots import Channel
 
@@ -45,6 +46,7 @@ def in_order() -> Iterator[None]:
 Run = Callable[[Any, list[np.ndarray]], Sequence[np.ndarray]]
 
 
+@not_converted
 def host_collective(channel: Channel, label: str, run: Run, inputs: Sequence[Any], out_dtypes: Sequence[Any],
                     out_shapes: Sequence[Any], statuses: bool = False) -> Any:
     """One host op running ``run(reducer, host_arrays) -> outputs``.
@@ -70,11 +72,11 @@ def host_collective(channel: Channel, label: str, run: Run, inputs: Sequence[Any
     after = chain[-1:] if chain is not None and not tf.executing_eagerly() else []
     with tf.control_dependencies(after):
         if statuses and not tf.executing_eagerly():
-            op = tf.autograph.experimental.do_not_convert(with_status(op, [d.as_numpy_dtype for d in dtypes], label))
+            op = plain(with_status(op, [d.as_numpy_dtype for d in dtypes], label))
             *outs, status = tf.numpy_function(op, list(inputs), dtypes + [tf.int32], stateful=True,
                                               name="hostreduce_collective")
         else:
-            op = tf.autograph.experimental.do_not_convert(op)
+            op = plain(op)
             outs = tf.numpy_function(op, list(inputs), dtypes, stateful=True, name="hostreduce_collective")
             if not isinstance(outs, (list, tuple)):
                 outs = [outs]
