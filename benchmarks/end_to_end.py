@@ -81,7 +81,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -304,8 +304,9 @@ class _FitFailed(Exception):
     """Keras's fit failed before its first step (the job is still usable)."""
 
 
-def _fit_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, size: int, *, legacy: bool = False,
-               strategy: Any = None, hvd: Any = None, on_host: bool = False) -> tuple[list[float], dict]:
+def fit_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, size: int, *, legacy: bool = False,
+              strategy: Any = None, hvd: Any = None, on_host: bool = False,
+              on_batch_end: Callable[[int], None] | None = None) -> tuple[list[float], dict]:
     """Step times (s) of Keras ``model.fit``, and facts about the run: ``hostreduce``
     (``hostreduce.horovod.keras.DistributedOptimizer``, variables on the host or not),
     ``horovod`` (``horovod.tensorflow.keras``, tf_keras), ``tf`` (compiled under a
@@ -314,6 +315,8 @@ def _fit_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, si
     Each step's time is the interval between consecutive ends of training batches, as
     a callback sees them (the loss is read, so the step has finished), after the warm-up
     steps (the first traces the step; the broadcast of the initial weights runs after it).
+    ``on_batch_end(batch)`` runs after the step timer at each batch's end
+    (``benchmarks/step_profile.py`` samples the threads' CPU with it).
     """
     import contextlib
 
@@ -355,11 +358,11 @@ def _fit_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, si
                 float(logs["loss"])  # the step's result exists
             if batch >= warmup - 1:
                 stamps.append((time.perf_counter(), _cpu_s()))
+            if on_batch_end is not None:
+                on_batch_end(batch)
 
-    callbacks: list[Any] = []
-    if hvd is not None:  # every rank starts from rank 0's weights (after the first step, as in Horovod)
-        callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
-    callbacks.append(StepTimer())
+    # Every rank starts from rank 0's weights (after the first step, as in Horovod).
+    callbacks = [*([hvd.callbacks.BroadcastGlobalVariablesCallback(0)] if hvd is not None else []), StepTimer()]
     try:
         net.fit(data, epochs=1, steps_per_epoch=warmup + steps, verbose=0, callbacks=callbacks)
     except Exception as exc:
@@ -375,16 +378,6 @@ def _fit_steps(kind: str, model: str, per_worker: int, plan: dict, rank: int, si
     steps, facts = _intervals(stamps)
     facts.update(keras=f"{keras.__name__} {keras.__version__}", weights_abs_sum=checksum)
     return steps, facts
-
-
-def _file_barrier(workdir: Path, tag: str, rank: int, size: int, timeout_s: float = 300.0) -> None:
-    """Independent processes (no communicator) start each phase together."""
-    (workdir / f"barrier.{tag}.{rank}").write_text("")
-    deadline = time.monotonic() + timeout_s
-    while sum(1 for _ in workdir.glob(f"barrier.{tag}.*")) < size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {tag!r}: not every process arrived in {timeout_s:.0f} s")
-        time.sleep(0.02)
 
 
 def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
@@ -425,7 +418,7 @@ def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
         rank, size = hvd.rank(), hvd.size()
         for model, batch in plan["workloads"]:
             legacy = impl == "keras-ring-tf_keras"
-            steps, facts = _fit_steps("hostreduce", model, batch, plan, rank, size, hvd=hvd, legacy=legacy,
+            steps, facts = fit_steps("hostreduce", model, batch, plan, rank, size, hvd=hvd, legacy=legacy,
                                       on_host=impl != "keras-ring-device")
             records.append((model, batch, "fit-tf_keras" if legacy else "fit", steps, facts))
         hvd.shutdown()
@@ -437,12 +430,12 @@ def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
         legacy, keras3_error = os.environ.get("TF_USE_LEGACY_KERAS") == "1", None
         for model, batch in plan["workloads"]:
             try:
-                steps, facts = _fit_steps("tf", model, batch, plan, rank, size, legacy=legacy, strategy=strategy)
+                steps, facts = fit_steps("tf", model, batch, plan, rank, size, legacy=legacy, strategy=strategy)
             except _FitFailed as exc:
                 if legacy:
                     raise
                 legacy, keras3_error = True, str(exc)
-                steps, facts = _fit_steps("tf", model, batch, plan, rank, size, legacy=True, strategy=strategy)
+                steps, facts = fit_steps("tf", model, batch, plan, rank, size, legacy=True, strategy=strategy)
             if keras3_error:
                 facts["keras3_error"] = keras3_error
             records.append((model, batch, "fit-tf_keras" if legacy else "fit", steps, facts))
@@ -456,7 +449,7 @@ def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         for model, batch in plan["workloads"]:
-            steps, facts = _fit_steps("horovod", model, batch, plan, rank, size, legacy=True, hvd=hvd)
+            steps, facts = fit_steps("horovod", model, batch, plan, rank, size, legacy=True, hvd=hvd)
             records.append((model, batch, "fit-tf_keras", steps, facts))
         hvd.shutdown()
     else:  # single: N independent processes, no communication
@@ -467,13 +460,13 @@ def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
             for path in plan["paths"]:
                 if model not in MODELS_OF["single"] and path in ("estimator", "keras"):
                     continue
-                _file_barrier(workdir, f"{model}.{batch}.{path}", rank, size)
+                jobs.file_barrier(workdir, f"{model}.{batch}.{path}", rank, size)
                 if path == "estimator":
                     steps, facts = _estimator_steps(SingleProcessStrategy(), model, batch, plan, 0, 1)
                 elif path == "keras":
                     steps, facts = _keras_steps("single", model, batch, plan, 0, 1)
                 else:
-                    steps, facts = _fit_steps("single", model, batch, plan, 0, 1, legacy=path == "fit-tf_keras")
+                    steps, facts = fit_steps("single", model, batch, plan, 0, 1, legacy=path == "fit-tf_keras")
                 records.append((model, batch, path, steps, facts))
         size = 1
     with open(workdir / f"rank{rank}.jsonl", "a") as out:

@@ -138,3 +138,29 @@ def test_ps_checks_quick_times_both_ps_checks_and_apply(tmp_path: Path) -> None:
         assert all(v > 0 for v in part["median_ms"].values())
         assert part["rows"] and sum(part["rows"].values()) > 0  # each ps holds a share of the looked-up rows
     assert "per sync step of 2 workers" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_step_profile_quick_profiles_a_fit_job_and_the_idle_cost(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
+    proc = subprocess.run([sys.executable, str(BENCH / "step_profile.py"), "--quick", "--impl", "hostreduce",
+                           "--out", str(tmp_path)], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=220)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "step_profile.json").read_text())
+    assert (tmp_path / "step_profile.png").stat().st_size > 0
+    (row,) = result["jobs"]
+    assert row["impl"] == "hostreduce" and row["np"] == 2 and row["step_ms"] > 0
+    kinds = row["cpu_ms_by_kind"]
+    assert set(kinds) == set(result["settings"]["kinds"])
+    # The Keras loop, TensorFlow's pools and the ring's threads all work in every step.
+    assert kinds["Keras loop (main thread)"] > 0 and kinds["TensorFlow pools"] > 0 and kinds["engine threads"] > 0
+    assert 0.5 * row["cpu_ms_per_rank"] <= sum(kinds.values()) <= 2.0 * row["cpu_ms_per_rank"]
+    assert row["switches_per_step"]["voluntary"] > 0
+    idle = {r["wait"]: r for r in result["idle"]}
+    assert set(idle) == {"none", "sleep", "poll"}
+    # A step that holds a 1 ms wait, either way, lasts at least that millisecond.
+    assert idle["none"]["wait_ms"] == 0 and idle["sleep"]["wait_ms"] == idle["poll"]["wait_ms"] == 1.0
+    assert all(r["step_ms"] > 0 and r["cpu_ms"] > 0 for r in idle.values())
+    assert idle["sleep"]["step_ms"] >= 1.0 and idle["poll"]["step_ms"] >= 1.0
+    assert "idle_cost_ms" in result and "a sleeping wait costs" in proc.stdout

@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterator, Mapping
 from hostreduce.processes import stop_groups
 
 __all__ = ["REPO_ROOT", "base_env", "WorkerJob", "JobResult", "run_job", "read_jsonl",
-           "records", "records_by_rank", "worker_argv", "write_plan", "workroot", "run_worker", "PeakRss"]
+           "records", "records_by_rank", "worker_argv", "write_plan", "workroot", "file_barrier", "run_worker",
+           "PeakRss"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -255,6 +256,17 @@ class PeakRss:
 
 
 # --------------------------------------------------------------------------- the worker's side
+
+
+def file_barrier(workdir: Path, tag: str, rank: int, size: int, timeout_s: float = 300.0) -> None:
+    """Independent processes (no communicator) start a phase together: each writes
+    ``barrier.<tag>.<rank>`` in ``workdir`` and waits for ``size`` of them."""
+    (workdir / f"barrier.{tag}.{rank}").write_text("")
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for _ in workdir.glob(f"barrier.{tag}.*")) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {tag!r}: not every process arrived in {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def run_worker(args: argparse.Namespace, body: Callable[[dict, Path], Any], label: str | None = None,
