@@ -27,11 +27,13 @@ def not_converted(fn: F) -> F:
     """``fn`` runs unconverted, with AutoGraph off for whatever it calls (TensorFlow is
     imported only when ``fn`` is called)."""
 
+    unconverted: list[Callable[..., Any]] = []  # made once, at the first call
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        import tensorflow as tf
-
-        return tf.autograph.experimental.do_not_convert(fn)(*args, **kwargs)
+        if not unconverted:
+            unconverted.append(plain(fn))
+        return unconverted[0](*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
 
