@@ -6,6 +6,11 @@ joined through a Linux bridge by links shaped to a given rate.
     python benchmarks/netcluster.py run -n 2 --rate 10gbit -- python -c 'import os; print(os.environ["NETCLUSTER_RANK"])'
     python benchmarks/netcluster.py cleanup                      # remove what a killed run left behind
 
+``mpirun`` reaches the workers too (:meth:`NetCluster.mpirun_argv`): it runs in the first
+worker's namespace and starts its daemon on each other worker through ``netcluster.py
+rsh`` (an ``ip netns exec`` in place of ssh); MPI's data then crosses the shaped links
+over TCP.
+
 Layout (everything lives in namespaces this module creates; the machine's own
 interfaces, addresses and routes are never touched)::
 
@@ -57,6 +62,7 @@ __all__ = [
 ]
 
 PREFIX = "hr-"
+HOSTS_ENV = "NETCLUSTER_HOSTS"
 DEFAULT_SUBNET = "10.213.0.0/24"
 MIN_WORKERS, MAX_WORKERS = 2, 8
 # hr-<pid>.<serial>-<i|br>: the pid says whether the run that owns it is still alive.
@@ -431,6 +437,26 @@ class NetCluster:
                 p.wait()
         return codes
 
+    def hosts_env(self) -> dict[str, str]:
+        """What ``netcluster.py rsh`` reads to find a worker's namespace by its address."""
+        return {HOSTS_ENV: ",".join(f"{a}={ns}" for a, ns in zip(self.addresses, self.namespaces))}
+
+    def mpirun_argv(self, mpirun: Sequence[str], argv: Sequence[str]) -> list[str]:
+        """``mpirun`` (its command up to the program: binary, ``-np``, exports) run in the
+        first worker's namespace with one rank per worker and MPI's TCP transport on the
+        links. Its environment must hold :meth:`hosts_env`. Each worker's processes get
+        the namespace's name as their hostname (:func:`own_hostname`)."""
+        subnet = self.subnet.with_prefixlen
+        rsh = f"{sys.executable} {Path(__file__).resolve()} rsh"
+        extra = ["--host", ",".join(f"{a}:1" for a in self.addresses), "--map-by", "node", "--mca", "plm_rsh_agent", rsh,
+                 "--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet,
+                 "--mca", "oob_tcp_if_include", subnet,
+                 # Every namespace has this machine's hostname: Open MPI's hierarchical
+                 # and shared-memory collectives would take the workers for one node and
+                 # meet in /dev/shm, which the namespaces share.
+                 "--mca", "coll", "^han,sm"]
+        return self.exec_argv(0, own_hostname(self.namespaces[0], [*mpirun, *extra, *argv]))
+
     def worker_env(self, index: int, port: int = 29500, secret: str | None = None) -> dict[str, str]:
         """``TF_CONFIG`` (this cluster's addresses, one port) plus the worker's identity."""
         addrs = [f"{a}:{port}" for a in self.addresses]
@@ -499,7 +525,35 @@ def _make(args: argparse.Namespace) -> NetCluster:
                       shape_ingress=not args.no_ingress_shaping, mtu=args.mtu)
 
 
+def rsh(argv: Sequence[str]) -> int:
+    """``rsh [options] HOST COMMAND...``: run COMMAND with ``/bin/sh`` in the namespace of
+    the worker whose address is HOST (from :data:`HOSTS_ENV`): ``mpirun``'s launch agent."""
+    args = list(argv)
+    while args and args[0].startswith("-"):
+        args.pop(0)
+    if len(args) < 2:
+        print("netcluster rsh: usage: rsh HOST COMMAND...", file=sys.stderr)
+        return 2
+    table = dict(item.split("=", 1) for item in os.environ.get(HOSTS_ENV, "").split(",") if "=" in item)
+    if args[0] not in table:
+        print(f"netcluster rsh: no namespace for host {args[0]!r} in {HOSTS_ENV}={os.environ.get(HOSTS_ENV)!r}",
+              file=sys.stderr)
+        return 2
+    ns = table[args[0]]
+    os.execv(_ip_binary(), [_ip_binary(), "netns", "exec", ns, *own_hostname(ns, ["/bin/sh", "-c", " ".join(args[1:])])])
+    return 0  # not reached
+
+
+def own_hostname(name: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` run with a hostname of its own (a UTS namespace): MPI launchers tell
+    nodes apart by hostname, and every network namespace has this machine's."""
+    return ["unshare", "--uts", "/bin/sh", "-c", 'hostname "$0" && exec "$@"', name, *argv]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rsh"]:  # mpirun's launch agent: its arguments are not ours to parse
+        return rsh(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)

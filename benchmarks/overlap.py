@@ -60,6 +60,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import netcluster as NC  # noqa: E402
 from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
 from benchmarks.harness.measure import link_bound_ms, median, numel  # noqa: E402
+from benchmarks.impls.device import (build_wait_kernel, compute_ms, device_model, device_model_fn,  # noqa: E402
+                                     load_profile, tensor_shapes, update_ms, wait_kernel)
 from benchmarks.impls.training import host_adam_model_fn, tf_threads  # noqa: E402
 
 MODES = ("sequential", "apply-once", "streamed")
@@ -145,50 +147,100 @@ def _reduce_alone(reducer: Any, shapes: list[tuple[int, ...]], reps: int) -> tup
     return [w for w, _ in runs], [c for _, c in runs]
 
 
+def _device_input_fn(mode: str, input_context: Any = None) -> Any:
+    """The device-like model's input: one token of activation per step (its layers'
+    times are the profile's, whatever the tensor)."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensors((tf.zeros((1, 1)), tf.zeros((1,), tf.int32))).repeat()
+
+
+def _compute_alone(model: Any, reps: int, update_ms: float = 0.0) -> list[float]:
+    """Wall ms of the model's forward and backward pass (and a device-side update of
+    ``update_ms``) in a traced step, no reduction."""
+    import tensorflow as tf
+
+    x = tf.zeros((1, 1))
+    model(x)  # built: its variables exist
+    variables = model.trainable_variables
+    wait, _ = wait_kernel()
+
+    @tf.function
+    def step() -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        return wait([loss, *tape.gradient(loss, variables)], update_ms)[0]
+
+    step()
+    out = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        step()
+        out.append(round((time.perf_counter() - t0) * 1e3, 3))
+    return out[1:]
+
+
 def _measure(plan: dict, workdir: Path) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tf_threads(plan)
+    if plan.get("system") == "horovod":
+        return _measure_horovod(plan, workdir)
     import keras
 
-    tf_threads(plan)
     from hostreduce.estimator import Estimator, RunConfig
-    from hostreduce.strategies import MultiWorkerStrategy
+    from hostreduce.strategies import HorovodStrategy, MultiWorkerStrategy
 
-    strategy = MultiWorkerStrategy(variables_on_host=True)
+    if plan.get("system") == "mpi":  # under mpirun: the MPI engine
+        strategy = HorovodStrategy(variables_on_host=True, reducer="mpi")
+    else:
+        strategy = MultiWorkerStrategy(variables_on_host=True)
     rank, size = strategy.rank, strategy.size
-    params = {"hidden": HIDDEN, "layers": LAYERS, "classes": CLASSES}
+    device = plan.get("device")
+    modes = plan.get("modes", MODES)
+    if device:
+        profile = load_profile(device["profile"])
+        model_fn, params, input_fn = device_model_fn, {"profile": profile, "batch": device["batch"]}, _device_input_fn
+        shapes = tensor_shapes(profile)
+    else:
+        model_fn, params, input_fn = _model_fn, {"hidden": HIDDEN, "layers": LAYERS, "classes": CLASSES}, _input_fn(plan)
+        dims = [INPUT_DIM] + [HIDDEN] * LAYERS + [CLASSES]
+        shapes = [s for a, b in zip(dims, dims[1:]) for s in ((a, b), (b,))]  # kernel, bias per layer
     estimators = {}
-    for mode in MODES:
+    for mode in modes:
         keras.utils.set_random_seed(1)
         config = RunConfig(train_distribute=strategy, log_step_count_steps=None,
                            timeline_dir=str(workdir / f"timeline-{mode}"),
                            stream_gradients=(mode != "sequential"),
                            host_apply="per_gradient" if mode == "streamed" else "once")
-        estimators[mode] = Estimator(_model_fn, config=config, params=params)
-    input_fn = _input_fn(plan)
+        estimators[mode] = Estimator(model_fn, config=config, params=params)
     out = open(workdir / f"rank{rank}.jsonl", "a")
     out.write(json.dumps({"kind": "hello", "rank": rank, "size": size,
-                          "transport": getattr(strategy.reducer, "transport", None)}) + "\n")
+                          "transport": getattr(strategy.reducer, "transport", None),
+                          "engine": type(strategy.reducer).__name__,
+                          "device_kernel": wait_kernel()[1] if device else None}) + "\n")
     out.flush()
 
-    stamps: list[float] = []
-    hook = lambda _step, _loss: stamps.append(time.perf_counter())  # noqa: E731
-    step_ms: dict[str, list[float]] = {m: [] for m in MODES}
-    timed_index: dict[str, list[int]] = {m: [] for m in MODES}
-    done: dict[str, int] = {m: 0 for m in MODES}
-    for mode in MODES:  # warm-up: tracing, buffers, connections
+    stamps: list[tuple[float, float]] = []
+    hook = lambda _step, _loss: stamps.append((time.perf_counter(), time.process_time()))  # noqa: E731
+    step_ms: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_ms: dict[str, list[float]] = {m: [] for m in modes}
+    timed_index: dict[str, list[int]] = {m: [] for m in modes}
+    done: dict[str, int] = {m: 0 for m in modes}
+    for mode in modes:  # warm-up: tracing, buffers, connections
         estimators[mode].train(input_fn, steps=plan["warmup_steps"], hooks=[hook])
         done[mode] += plan["warmup_steps"]
     for rnd in range(plan["rounds"]):
-        order = MODES if rnd % 2 == 0 else MODES[::-1]
+        order = modes if rnd % 2 == 0 else modes[::-1]
         for mode in order:
             stamps.clear()
             strategy.reducer.barrier()
             estimators[mode].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
             # The first step of a train() call also builds the input iterator: dropped.
-            step_ms[mode] += [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
+            step_ms[mode] += [round((b[0] - a[0]) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
+            cpu_ms[mode] += [round((b[1] - a[1]) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
             timed_index[mode] += list(range(done[mode] + 1, done[mode] + plan["steps_per_round"] + 1))
             done[mode] += plan["steps_per_round"] + 1
-    profile = None
+    profile_rec = None
     if plan.get("profile"):
         # One more streamed round (every rank runs it), sampled by py-spy on rank 0.
         spy = None
@@ -198,23 +250,91 @@ def _measure(plan: dict, workdir: Path) -> None:
         strategy.reducer.barrier()
         estimators["streamed"].train(input_fn, steps=plan["steps_per_round"] + 1, hooks=[hook])
         if spy is not None:
-            profile = _stop_pyspy(spy, raw)
-    dims = [INPUT_DIM] + [HIDDEN] * LAYERS + [CLASSES]
-    shapes = [s for a, b in zip(dims, dims[1:]) for s in ((a, b), (b,))]  # kernel, bias per layer
+            profile_rec = _stop_pyspy(spy, raw)
     alone, alone_cpu = _reduce_alone(strategy.reducer, shapes, plan["reduce_reps"])
-    for mode in MODES:
+    if device:
+        compute = _compute_alone(device_model(profile, device["batch"]), plan["reduce_reps"])
+        out.write(json.dumps({"kind": "compute", "rank": rank, "compute_ms": compute,
+                              "nominal_ms": round(compute_ms(profile, device["batch"]), 3)}) + "\n")
+    for mode in modes:
         steps = _step_breakdown(workdir / f"timeline-{mode}" / f"timeline-rank{rank}.json")
         timed = [steps[i] for i in timed_index[mode] if i < len(steps)]
         out.write(json.dumps({"kind": "mode", "rank": rank, "mode": mode, "step_ms": step_ms[mode],
-                              "timed_steps": timed_index[mode], "breakdown": timed}) + "\n")
-    if profile is not None:
-        out.write(json.dumps({"kind": "profile", "rank": rank, **profile}) + "\n")
+                              "cpu_ms": cpu_ms[mode], "timed_steps": timed_index[mode], "breakdown": timed}) + "\n")
+    if profile_rec is not None:
+        out.write(json.dumps({"kind": "profile", "rank": rank, **profile_rec}) + "\n")
     out.write(json.dumps({"kind": "alone", "rank": rank, "bytes": int(sum(4 * numel(s) for s in shapes)),
                           "tensors": len(shapes), "reduce_ms": [round(t * 1e3, 3) for t in alone],
                           "reduce_cpu_ms": [round(t * 1e3, 3) for t in alone_cpu]}) + "\n")
     out.close()
     strategy.reducer.barrier()
     strategy.close()
+
+
+def _measure_horovod(plan: dict, workdir: Path) -> None:
+    """Horovod's own streaming: the device-like step traced with its
+    ``DistributedGradientTape``, whose all-reduce ops start as their gradients appear;
+    the optimizer's update on the device (its time from the profile)."""
+    import horovod
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    device = plan["device"]
+    profile = load_profile(device["profile"])
+    model = device_model(profile, device["batch"])
+    x = tf.zeros((1, 1))
+    model(x)
+    variables = [getattr(v, "value", v) for v in model.trainable_variables]  # Horovod wants tf.Variables
+    wait, _ = wait_kernel()
+
+    @tf.function
+    def train() -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        tape = hvd.DistributedGradientTape(tape)
+        return wait([loss, *tape.gradient(loss, variables)], update_ms(profile))[0]
+
+    shapes = tensor_shapes(profile)
+    consts = [tf.constant(np.full(s, 1e-3, np.float32)) for s in shapes]
+
+    @tf.function
+    def reduce_all() -> Any:
+        return [hvd.allreduce(c, op=hvd.Average, name=f"overlap.alone.{i}") for i, c in enumerate(consts)]
+
+    barrier = lambda: hvd.allreduce(tf.constant(0.0), name="overlap.barrier")  # noqa: E731
+    out = open(workdir / f"rank{rank}.jsonl", "a")
+    out.write(json.dumps({"kind": "hello", "rank": rank, "size": size, "transport": "mpi",
+                          "engine": f"horovod {horovod.__version__}", "device_kernel": wait_kernel()[1]}) + "\n")
+    for _ in range(plan["warmup_steps"]):
+        train()
+    step_ms, cpu_ms = [], []
+    for _ in range(plan["rounds"]):
+        barrier()
+        for _ in range(plan["steps_per_round"]):
+            t0, c0 = time.perf_counter(), time.process_time()
+            train()
+            step_ms.append(round((time.perf_counter() - t0) * 1e3, 3))
+            cpu_ms.append(round((time.process_time() - c0) * 1e3, 3))
+    reduce_all()
+    alone, alone_cpu = [], []
+    for _ in range(plan["reduce_reps"]):
+        barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        reduce_all()
+        alone.append(round((time.perf_counter() - t0) * 1e3, 3))
+        alone_cpu.append(round((time.process_time() - c0) * 1e3, 3))
+    compute = _compute_alone(model, plan["reduce_reps"], update_ms(profile))
+    out.write(json.dumps({"kind": "compute", "rank": rank, "compute_ms": compute,
+                          "nominal_ms": round(compute_ms(profile, device["batch"]) + update_ms(profile), 3)}) + "\n")
+    out.write(json.dumps({"kind": "mode", "rank": rank, "mode": "horovod", "step_ms": step_ms, "cpu_ms": cpu_ms,
+                          "timed_steps": [], "breakdown": []}) + "\n")
+    out.write(json.dumps({"kind": "alone", "rank": rank, "bytes": int(sum(4 * numel(s) for s in shapes)),
+                          "tensors": len(shapes), "reduce_ms": alone, "reduce_cpu_ms": alone_cpu}) + "\n")
+    out.close()
+    barrier()
 
 
 def _start_pyspy(raw: Path) -> Any:
@@ -497,7 +617,7 @@ _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "hand-off": "#8172b2", "
            "apply": "#c44e52", "wait": "#bbbbbb"}
 
 
-def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
+def _plot_timeline(path: Path, row: dict, timeline: dict, title: str | None = None) -> None:
     from matplotlib.patches import Patch
 
     plt = report.pyplot()
@@ -541,11 +661,301 @@ def _plot_timeline(path: Path, row: dict, timeline: dict) -> None:
     handles = [Patch(color=_COLORS[k], label=k) for k in ("forward", "backward", "hand-off", "reduce", "apply", "wait")]
     fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=8)
     net = row["network"]
-    title = ("loopback (shared memory)" if net == "loopback" else f"simulated {NC.parse_rate(net) / 1e9:g} Gbit/s links (gRPC)")
-    fig.suptitle(f"One training step per rank, N = {n}, {title}; reduce bars overlap per tensor "
+    net_title = ("loopback (shared memory)" if net == "loopback"
+                 else f"simulated {NC.parse_rate(net) / 1e9:g} Gbit/s links (gRPC)")
+    if title is not None:
+        net_title = f"{title}, {net_title}"
+    fig.suptitle(f"One training step per rank, N = {n}, {net_title}; reduce bars overlap per tensor "
                  f"(T_reduction alone {row['reduction_ms']:.0f} ms)", fontsize=10, x=0.01, ha="left")
     report.save_figure(fig, path, rect=(0, 0.04, 1, 0.95))
 
+
+
+# --------------------------------------------------------------------------- device-like compute
+
+SYSTEMS = {
+    "ring": (peers.HOSTREDUCE_RING, "hostreduce ring"),
+    "mpi": (peers.HOSTREDUCE_MPI.with_env(HOSTREDUCE_REDUCER="mpi"), "hostreduce MPI engine"),
+    "horovod": (peers.HOROVOD.with_env(TF_USE_LEGACY_KERAS="1"), "Horovod DistributedGradientTape"),
+}
+SCHEDULE_LABELS = {"sequential": "sequential", "apply-once": "streamed, apply once",
+                   "streamed": "streamed, per-gradient apply", "horovod": "streamed (Horovod's)"}
+TARGET_DEVICE_HIDDEN = 0.9      # 1 Gbit/s, wherever compute >= reduction
+TARGET_DEVICE_STEP = 1.05       # 10 Gbit/s: step / compute alone
+
+
+def _device_rows(profile: str, network: str, n: int, system: str, rate_bps: float | None,
+                 records: list[dict]) -> list[dict]:
+    """One row per schedule of one job: step, compute alone, reduction alone (ms), the
+    hidden fraction (compute + reduction - step) / reduction, and the host CPU."""
+    by_kind: dict[str, dict[int, list[dict]]] = {}
+    for rec in records:
+        by_kind.setdefault(rec.get("kind", ""), {}).setdefault(rec["rank"], []).append(rec)
+    ranks = set(by_kind.get("alone", {}))
+    if len(ranks) != n or len(by_kind.get("compute", {})) != n:
+        return []
+    compute = max(statistics.median(recs[0]["compute_ms"]) for recs in by_kind["compute"].values())
+    nominal = next(iter(by_kind["compute"].values()))[0]["nominal_ms"]
+    alone = {r: recs[0] for r, recs in by_kind["alone"].items()}
+    reps = min(len(a["reduce_ms"]) for a in alone.values())
+    reduction = statistics.median(max(alone[r]["reduce_ms"][i] for r in alone) for i in range(reps))
+    reduction_cpu = statistics.mean(statistics.median(a["reduce_cpu_ms"]) for a in alone.values())
+    hello = next(iter(by_kind.get("hello", {}).values()), [{}])[0]
+    rows = []
+    modes: dict[str, dict[int, dict]] = {}
+    for r, recs in by_kind.get("mode", {}).items():
+        for rec in recs:
+            modes.setdefault(rec["mode"], {})[r] = rec
+    for mode, per_rank in modes.items():
+        if len(per_rank) != n:
+            continue
+        step = max(statistics.median(rec["step_ms"]) for rec in per_rank.values())
+        cpu = statistics.mean(statistics.median(rec["cpu_ms"]) for rec in per_rank.values())
+        row = {"profile": profile, "network": network, "np": n, "system": system, "schedule": mode,
+               "label": f"{SYSTEMS[system][1]}: {SCHEDULE_LABELS[mode]}", "transport": hello.get("transport"),
+               "engine": hello.get("engine"), "device_kernel": hello.get("device_kernel"), "link_rate_bps": rate_bps,
+               "step_ms": round(step, 3), "compute_ms": round(compute, 3), "compute_nominal_ms": nominal,
+               "reduction_ms": round(reduction, 3), "reduction_cpu_ms": round(reduction_cpu, 3),
+               "gradient_bytes": next(iter(alone.values()))["bytes"],
+               "gradient_tensors": next(iter(alone.values()))["tensors"],
+               "hidden_fraction": round((compute + reduction - step) / reduction, 4),
+               "hideable": round(min(1.0, compute / reduction), 4),
+               "step_over_compute": round(step / compute, 4),
+               "cpu_ms_per_step": round(cpu, 3),
+               "rank_step_ms": {str(k): v["step_ms"] for k, v in sorted(per_rank.items())}}
+        parts = [rec["breakdown"] for rec in per_rank.values() if rec["breakdown"]]
+        for key in ("backward_ms", "reduce_wait_ms", "apply_ms"):
+            vals = [median([st.get(key) for st in b]) for b in parts]
+            if vals and all(v is not None for v in vals):
+                row[key] = round(statistics.mean(vals), 3)
+        if rate_bps:
+            row["reduction_link_bound_ms"] = round(link_bound_ms(n, row["gradient_bytes"], rate_bps), 3)
+        row["bound"] = _device_bound(row)
+        rows.append(row)
+    return rows
+
+
+def _device_bound(row: dict) -> str:
+    """What bounds a row's step, in words."""
+    compute, red, step = row["compute_ms"], row["reduction_ms"], row["step_ms"]
+    link = row.get("reduction_link_bound_ms")
+    if row["schedule"] == "sequential":
+        return "no overlap by construction: compute, then the reduction, then the apply"
+    if compute < red:
+        cpu_wall = row["reduction_cpu_ms"] * max(1.0, row["np"] / report.cores())
+        if cpu_wall >= 0.8 * red:
+            what = (f"the host's CPU ({row['reduction_cpu_ms']:.0f} ms per worker, {row['np']} workers on "
+                    f"{report.cores()} cores)")
+        elif link and link >= 0.6 * red:
+            what = f"the link ({link:.0f} ms for the bytes alone)"
+        else:
+            what = "neither the link nor the CPU alone (latency of the engine's pipeline)"
+        return (f"compute ({compute:.0f} ms) < reduction ({red:.0f} ms): at most {row['hideable']:.2f} of the "
+                f"reduction can hide; the reduction is bound by {what}")
+    tail = step - compute
+    if tail <= 0.05 * compute:
+        return "compute: the reduction and apply are hidden"
+    return (f"{tail:.0f} ms after the compute: the reduction of the last gradients and their apply "
+            f"(host CPU per step {row['cpu_ms_per_step']:.0f} ms)")
+
+
+def _device_targets(rows: list[dict]) -> list[dict]:
+    checks = []
+    cells = sorted({(r["profile"], r["network"], r["np"]) for r in rows})
+    for prof, net, n in cells:
+        cell = {(r["system"], r["schedule"]): r for r in rows if (r["profile"], r["network"], r["np"]) == (prof, net, n)}
+        ring = cell.get(("ring", "streamed"))
+        hvd = cell.get(("horovod", "horovod"))
+        if ring is None:
+            continue
+        where = f"{prof} {net} N={n}"
+        if net == "1gbit":
+            if ring["compute_ms"] >= ring["reduction_ms"]:
+                checks.append({"what": f"{where}: ring streamed hidden fraction (compute >= reduction)",
+                               "value": ring["hidden_fraction"], "goal": f">= {TARGET_DEVICE_HIDDEN}",
+                               "met": ring["hidden_fraction"] >= TARGET_DEVICE_HIDDEN})
+            if hvd is not None:
+                checks.append({"what": f"{where}: ring streamed hidden fraction vs Horovod's ({hvd['hidden_fraction']})",
+                               "value": ring["hidden_fraction"], "goal": f">= {hvd['hidden_fraction']}",
+                               "met": ring["hidden_fraction"] >= hvd["hidden_fraction"]})
+        if net == "10gbit":
+            checks.append({"what": f"{where}: ring streamed step / compute alone", "value": ring["step_over_compute"],
+                           "goal": f"<= {TARGET_DEVICE_STEP}", "met": ring["step_over_compute"] <= TARGET_DEVICE_STEP})
+    return checks
+
+
+def _print_device_tables(rows: list[dict]) -> None:
+    print("\ndevice-like compute (layer times from the profile, no host CPU): step = slowest rank's median (ms);"
+          "\ncompute = forward + backward alone (+ the device's update for Horovod); reduction = every gradient"
+          "\nall-reduced alone; hidden = (compute + reduction - step) / reduction; hideable = min(1, compute /"
+          " reduction);\ncpu = host CPU per step and worker (reduction, hand-off, apply, TensorFlow)")
+    head = (f"{'model':>9} {'network':>8} {'N':>2} | {'system: schedule':<46} | {'step':>7} {'compute':>7} "
+            f"{'reduce':>7} | {'hidden':>6} {'hideable':>8} {'step/comp':>9} | {'cpu':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['profile']:>9} {r['network']:>8} {r['np']:>2} | {r['label']:<46} | {r['step_ms']:>7.0f} "
+              f"{r['compute_ms']:>7.0f} {r['reduction_ms']:>7.0f} | {r['hidden_fraction']:>6.2f} {r['hideable']:>8.2f} "
+              f"{r['step_over_compute']:>9.3f} | {r['cpu_ms_per_step']:>6.0f}")
+
+
+def _plot_device(path: Path, rows: list[dict]) -> None:
+    plt = report.pyplot()
+    cells = sorted({(r["profile"], r["np"]) for r in rows})
+    fig, axes = plt.subplots(1, len(cells), figsize=(6.2 * len(cells), 5.0), squeeze=False)
+    for ax, (prof, n) in zip(axes[0], cells):
+        mine = [r for r in rows if r["profile"] == prof and r["np"] == n]
+        networks = sorted({r["network"] for r in mine}, key=lambda nw: NC.parse_rate(nw) if nw != "loopback" else 1e15)
+        series = sorted({(r["system"], r["schedule"]) for r in mine}, key=lambda k: (list(SYSTEMS).index(k[0]), k[1]))
+        width = 0.8 / (len(series) + 2)
+        for j, key in enumerate(series):
+            ys = [next((r["step_ms"] for r in mine if r["network"] == nw and (r["system"], r["schedule"]) == key),
+                       float("nan")) for nw in networks]
+            label = f"{SYSTEMS[key[0]][1]}: {SCHEDULE_LABELS[key[1]]}"
+            bars = ax.bar([i + j * width for i in range(len(networks))], ys, width, label=label)
+            for b, nw in zip(bars, networks):
+                r = next((r for r in mine if r["network"] == nw and (r["system"], r["schedule"]) == key), None)
+                if r is not None and key[0] != "ring" or key[1] == "streamed":
+                    if r is not None:
+                        ax.annotate(f"{r['hidden_fraction']:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                    ha="center", va="bottom", fontsize=7)
+        for k, (what, style) in enumerate((("compute_ms", "--"), ("reduction_ms", ":"))):
+            for i, nw in enumerate(networks):
+                vals = [r[what] for r in mine if r["network"] == nw and r["system"] == "ring"]
+                if vals:
+                    ax.hlines(vals[0], i - 0.1, i + 0.9 - 0.1, colors="black", linestyles=style,
+                              label=("compute alone" if what == "compute_ms" else "reduction alone (ring)") if i == 0 else None)
+        ax.set_xticks([i + 0.4 - width for i in range(len(networks))])
+        ax.set_xticklabels([("loopback" if nw == "loopback" else f"{NC.parse_rate(nw) / 1e9:g} Gbit/s") for nw in networks])
+        ax.set_title(f"{prof}, N = {n}")
+        ax.set_ylabel("ms per step (numbers: hidden fraction)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Device-like compute: step time per system and schedule against compute and reduction alone "
+                 "(lower is better)")
+    report.save_figure(fig, path)
+
+
+def _device_main(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    profiles = [pr.strip() for pr in (args.profiles or ("resnet50" if args.quick else "resnet50,bert_base")).split(",")]
+    for pr in profiles:
+        try:
+            load_profile(pr)
+        except ValueError as exc:
+            p.error(str(exc))
+    systems = cli.parse_choices(p, "--systems", args.systems or ("ring,horovod" if args.quick else "ring,mpi,horovod"),
+                                list(SYSTEMS))
+    nps = cli.parse_np(p, args.np, [2] if args.quick else DEFAULT_NP)
+    wanted = cli.parse_networks(p, args.networks, ["1gbit"] if args.quick else ["1gbit", "10gbit"])
+    networks, usable, why = placement.usable_networks(wanted)
+    if "horovod" in systems:
+        ok, reason = placement.horovod_mpirun()
+        if not ok:
+            print(f"Horovod rows left out: {reason}", flush=True)
+            systems = [s for s in systems if s != "horovod"]
+    kernel_path, kernel_how = build_wait_kernel()  # before the workers start: they load it
+    if kernel_path is None:
+        print(f"DeviceWait kernel not built ({kernel_how}): the device ops are Python sleeps", flush=True)
+    quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
+    cores = report.cores()
+    plan = {"warmup_steps": 2, "rounds": args.rounds or (1 if args.quick else 2),
+            "steps_per_round": args.steps or (2 if args.quick else 4), "reduce_reps": 3 if args.quick else 5,
+            "rate_check_s": 0.3 if args.quick else 1.0, "inter_op_threads": args.inter_op_threads,
+            "worker_timeout_s": 1500.0, "hostreduce_env": report.hostreduce_env()}
+    prof_info = {}
+    for pr in profiles:
+        prof = load_profile(pr)
+        batch = args.batch or prof["batch"]
+        prof_info[pr] = {"name": prof["stem"], "model": prof["model"], "source": prof["source"], "batch": batch,
+                         "batch_unit": prof["batch_unit"], "device": prof["device"],
+                         "parameters": prof["parameters"], "gradient_tensors": prof["gradient_tensors"],
+                         "compute_nominal_ms": round(compute_ms(prof, batch), 3),
+                         "device_update_ms": round(update_ms(prof), 3)}
+    rep = report.Report(
+        args.out, "overlap.device", "overlap (device-like compute)",
+        "Each layer's forward and backward pass is an op that takes the time the profile gives it on an "
+        "accelerator, without host CPU, and yields the layer's gradients as it ends; the same step under "
+        "hostreduce (Estimator, ring over gRPC on the shaped links, MPI engine) and Horovod's own "
+        "DistributedGradientTape; compute and reduction also timed alone in the same workers",
+        packages=("grpcio", "tensorflow", "keras", "horovod", "mpi4py"),
+        environment_extra={"load_wait": quiet, "namespaces_usable": usable, "namespaces_reason": why,
+                           "device_kernel": {"path": str(kernel_path) if kernel_path else None, "how": kernel_how},
+                           "mpirun": {"mpi": placement.mpirun_version("mpi"),
+                                      "horovod": placement.mpirun_version("horovod")}},
+        settings={"profiles": {info["name"]: info for info in prof_info.values()}, "np": nps, "networks": networks, "systems": systems, "plan": plan,
+                  "schedules": {"ring": list(MODES), "mpi": ["streamed"], "horovod": ["horovod"]},
+                  "intra_op_threads": {str(n): max(1, cores // n) for n in nps},
+                  "definitions": {
+                      "step_ms": "slowest rank's median of timed steps",
+                      "compute_ms": "slowest rank's median of the same step's forward and backward pass alone in a "
+                                    "traced step (for Horovod with its device-side update), no reduction",
+                      "reduction_ms": "median over repetitions of the slowest rank's all-reduce of every gradient "
+                                      "tensor at once, no compute",
+                      "hidden_fraction": "(compute + reduction - step) / reduction",
+                      "hideable": "min(1, compute / reduction): the most that can hide behind the compute",
+                      "cpu_ms_per_step": "host CPU time per step of one worker (all threads), mean over workers",
+                      "reduction_cpu_ms": "host CPU time of one worker during the reduction alone"},
+                  "targets": {"hidden_fraction_1gbit": f">= {TARGET_DEVICE_HIDDEN} where compute >= reduction, and "
+                                                       ">= Horovod's", "step_over_compute_10gbit": f"<= {TARGET_DEVICE_STEP}"}},
+        runs={}, measurements=[], targets=[])
+    result = rep.result
+    rep.announce(f"overlap benchmark, device-like compute: profiles={profiles} networks={networks} np={nps} "
+                 f"systems={systems}")
+    rows: list[dict] = []
+    timelines: dict[tuple[str, str, int], dict] = {}
+    with jobs.workroot("hostreduce-bench-overlap-device-", args.keep_workdir) as workroot:
+        for pr in profiles:
+            for n in nps:
+                for network in networks:
+                    with placement.network(network, n) as where:
+                        for system in systems:
+                            peer = SYSTEMS[system][0]
+                            modes = list(MODES) if system == "ring" else ["streamed"] if system == "mpi" else ["horovod"]
+                            plan_n = {**plan, "intra_op_threads": max(1, cores // n), "system": system, "modes": modes,
+                                      "device": {"profile": pr, "batch": prof_info[pr]["batch"]}}
+                            tag = f"{prof_info[pr]['name']}-{network}-np{n}-{system}"
+                            plan_path = jobs.write_plan(workroot / f"plan-{tag}.json", plan_n)
+                            workdir = workroot / tag
+                            info: dict[str, Any] = {}
+                            if where.cluster is not None and system == systems[0]:
+                                info["tcp_check"] = where.measure_rate(plan["rate_check_s"])
+                            argv = lambda rank, _wd=workdir, _pp=plan_path: jobs.worker_argv(  # noqa: E731
+                                __file__, plan=_pp, workdir=_wd, rank=rank)
+                            run = peers.run(peer, where, n, argv, workdir, args.job_timeout or 1200.0, info=info)
+                            name = prof_info[pr]["name"]
+                            got = _device_rows(name, network, n, system, where.rate_bps, run.records()) if run.ok else []
+                            if run.ok and not got:
+                                run.fail("workers exited without writing every record")
+                            if system == "ring" and got:
+                                try:
+                                    timelines[(name, network, n)] = _timeline_step(workdir, n, run.records())
+                                except (OSError, KeyError, IndexError, ValueError) as exc:
+                                    run.info["timeline_error"] = f"{type(exc).__name__}: {exc}"
+                            result["runs"].setdefault(name, {}).setdefault(network, {}).setdefault(str(n), {})[system] = run.info
+                            run.say(f"{name} {network:>7} N={n} {system:>8}", f"{run.seconds:.1f} s",
+                                    f"load {run.info['loadavg_after'][0]}")
+                            rows += got
+                            result["measurements"] = rows
+                            rep.save()
+    result["targets"] = _device_targets(rows)
+
+    def plot(path: Path) -> None:
+        _plot_device(path, rows)
+        models = {info["name"]: info["model"] for info in prof_info.values()}
+        for (name, net, n), tl in timelines.items():
+            ring = {r["schedule"]: r for r in rows if (r["profile"], r["network"], r["np"], r["system"]) == (name, net, n, "ring")}
+            if set(MODES) <= set(ring):
+                row = {"np": n, "network": net, "reduction_ms": ring["streamed"]["reduction_ms"],
+                       **{m: {"step_ms": ring[m]["step_ms"]} for m in MODES}}
+                _plot_timeline(rep.out_dir / f"overlap.device.timeline.{name}-{net}-np{n}.png", row, tl,
+                               title=f"{models[name]}, device-like compute")
+
+    def show() -> None:
+        _print_device_tables(rows)
+        report.print_targets(result["targets"])
+
+    rep.close(plot=plot if rows else None, no_plot=args.no_plot, show=show)
+    return report.exit_status(result["runs"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -563,10 +973,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample rank 0 with py-spy during one extra streamed round of this cell, e.g. 1gbit:4 "
                         "(summary in the JSON under pyspy_rank0_streamed)")
     p.add_argument("--job-timeout", type=float, default=None, help="wall-clock limit of one run (s)")
+    p.add_argument("--compute", choices=("cpu", "device"), default="cpu",
+                   help="cpu: the MLP's passes run on this host's cores (default); device: every layer takes the "
+                        "time a device profile gives it, without host CPU (results: overlap.device.json)")
+    p.add_argument("--profiles", default=None,
+                   help="--compute device: comma-separated profiles of benchmarks/profiles (default resnet50,bert_base;"
+                        " --quick: resnet50)")
+    p.add_argument("--systems", default=None,
+                   help="--compute device: comma-separated of ring, mpi, horovod (default all; --quick: ring,horovod)")
+    p.add_argument("--batch", type=int, default=None, help="--compute device: examples per worker (default: the profile's)")
     cli.add_run_options(p)
     args = p.parse_args(argv)
     if args.worker:
         return jobs.run_worker(args, _measure)
+    if args.compute == "device":
+        return _device_main(args, p)
 
     nps = cli.parse_np(p, args.np, [2] if args.quick else DEFAULT_NP)
     wanted = cli.parse_networks(p, args.networks, ["loopback", "1gbit"] if args.quick else DEFAULT_NETWORKS)

@@ -179,3 +179,37 @@ def test_cli_check_reports_rate_and_tears_down() -> None:
     assert "Gbit/s" in proc.stdout and "torn down: ok" in proc.stdout
     info = json.loads(proc.stdout.splitlines()[0])
     assert not set(info["namespaces"]) & set(NC.list_namespaces())
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("library", ["mpi", "horovod"])
+def test_mpirun_runs_one_rank_per_namespace_over_the_links(library: str) -> None:
+    # mpirun of the peer's MPI started in the first namespace: each rank runs in its own
+    # namespace with its own hostname, and an all-reduce's bytes leave through its link.
+    from benchmarks.harness import placement as P
+    from hostreduce.reducers.mpi.select import mpirun_for
+
+    try:
+        mpirun_for(library)
+    except Exception as exc:
+        pytest.skip(f"no mpirun for {library}: {exc}")
+    code = ("import os, json, socket, numpy as np\n"
+            "from mpi4py import MPI\n"
+            "tx = lambda: int(open('/sys/class/net/eth0/statistics/tx_bytes').read())\n"
+            "c = MPI.COMM_WORLD; a = np.ones(1 << 20, np.float32); b = np.empty_like(a)\n"
+            "c.Barrier(); t0 = tx(); c.Allreduce(a, b); c.Barrier(); sent = tx() - t0\n"
+            "print(json.dumps({'rank': c.rank, 'host': socket.gethostname(), 'sum': float(b[0]), 'sent': sent,"
+            " 'netns': os.readlink('/proc/self/ns/net')}), flush=True)\n")
+    with P.network("1gbit", 3) as where:
+        argv, env = where.mpirun(library, 3, [sys.executable, "-c", code])
+        proc = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=150)
+        names = where.cluster.namespaces
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
+    assert len({r["netns"] for r in ranks}) == 3 and os.readlink("/proc/self/ns/net") not in {r["netns"] for r in ranks}
+    assert sorted(r["host"] for r in ranks) == sorted(names)
+    assert all(r["sum"] == 3.0 for r in ranks)
+    # 4 MiB reduced over 3 ranks: each sends at least a third of it over its link.
+    assert all(r["sent"] >= (4 << 20) // 3 for r in ranks), ranks

@@ -6,7 +6,7 @@ processes measure (the benchmark's metric) stays in the benchmark.
 | peer | processes | started by |
 |---|---|---|
 | :data:`HOSTREDUCE_RING` | hostreduce's ring (reducer, strategies, Estimator, Keras) | one per rank, ``TF_CONFIG``, a shared ``HOSTREDUCE_SECRET``; gRPC data path on shaped links |
-| :data:`HOSTREDUCE_MPI` | hostreduce's MPI engine | the ``mpirun`` of mpi4py's Open MPI |
+| :data:`HOSTREDUCE_MPI` | hostreduce's MPI engine | the ``mpirun`` of mpi4py's Open MPI (on shaped links: started in the first namespace, daemons through ``ip netns exec``, TCP) |
 | :data:`OPEN_MPI` | Open MPI itself, through mpi4py | the same ``mpirun`` |
 | :data:`TF_COLLECTIVE` | TensorFlow's ``MultiWorkerMirroredStrategy`` | one per rank, ``TF_CONFIG`` |
 | :data:`HOROVOD` | Horovod | the ``mpirun`` of Horovod's MPI |
@@ -76,10 +76,13 @@ def build_job(peer: Peer, where: P.Loopback | P.Namespaces, n: int, argv_of: Cal
     if peer.secret:
         common["HOSTREDUCE_SECRET"] = secrets.token_hex(16)
     on_links = isinstance(where, P.Namespaces)
-    if on_links and peer.launch != "cluster":
+    if on_links and peer.launch not in ("cluster", "mpirun"):
         raise ValueError(f"{peer.label} runs on loopback only ({peer.launch}: its processes would not cross the "
                          f"shaped links). Received: {where.name}")
     name = workdir.name
+    if peer.launch == "mpirun" and on_links:
+        argv, links_env = where.mpirun(peer.mpi or "mpi", n, argv_of(None), export=list(common))
+        return WorkerJob(name, [argv], [{**common, **links_env}], workdir, timeout_s)
     if peer.launch == "mpirun":
         argv = P.mpirun(peer.mpi or "mpi", n, argv_of(None), export=list(common))
         return WorkerJob(name, [argv], [common], workdir, timeout_s)

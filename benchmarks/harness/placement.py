@@ -70,6 +70,15 @@ class Namespaces:
     def wrap(self, rank: int, argv: list[str]) -> list[str]:
         return self.cluster.exec_argv(rank, argv)
 
+    def mpirun(self, library: str, n: int, argv: list[str], export: Sequence[str] = ()) -> tuple[list[str], dict]:
+        """The command and extra environment of an ``mpirun`` job with one rank per
+        namespace (``netcluster.NetCluster.mpirun_argv``)."""
+        if n != self.cluster.nworkers:
+            raise ValueError(f"`n` must be the cluster's {self.cluster.nworkers} workers. Received: n={n}")
+        env = self.cluster.hosts_env()
+        base = mpirun(library, n, [], export=[*export, *env])
+        return self.cluster.mpirun_argv(base, argv), env
+
     def measure_rate(self, seconds: float) -> dict[str, Any]:
         """One link's TCP rate (worker 0 -> 1), for the run record."""
         return self.cluster.measure_rate(0, 1, seconds=seconds)
