@@ -739,17 +739,21 @@ def _device_bound(row: dict) -> str:
     """What bounds a row's step, in words."""
     compute, red, step = row["compute_ms"], row["reduction_ms"], row["step_ms"]
     link = row.get("reduction_link_bound_ms")
+    cores_each = min(1.0, report.cores() / row["np"])
+    cpu_wall = row["cpu_ms_per_step"] / cores_each   # the step's host CPU on this worker's share of the cores
+    cpu = (f"the host's CPU: {row['cpu_ms_per_step']:.0f} ms per worker and step on {cores_each:g} core each "
+           f"({row['np']} workers, {report.cores()} cores)")
     if row["schedule"] == "sequential":
         return "no overlap by construction: compute, then the reduction, then the apply"
+    if cpu_wall >= 0.8 * step and cpu_wall > compute:
+        return cpu
     if compute < red:
-        cpu_wall = row["reduction_cpu_ms"] * max(1.0, row["np"] / report.cores())
-        if cpu_wall >= 0.8 * red:
-            what = (f"the host's CPU ({row['reduction_cpu_ms']:.0f} ms per worker, {row['np']} workers on "
-                    f"{report.cores()} cores)")
-        elif link and link >= 0.6 * red:
+        if link and link >= 0.6 * red:
             what = f"the link ({link:.0f} ms for the bytes alone)"
+        elif row["reduction_cpu_ms"] / cores_each >= 0.8 * red:
+            what = f"its CPU ({row['reduction_cpu_ms']:.0f} ms per worker)"
         else:
-            what = "neither the link nor the CPU alone (latency of the engine's pipeline)"
+            what = "neither the link nor the CPU alone (the engine's pipeline)"
         return (f"compute ({compute:.0f} ms) < reduction ({red:.0f} ms): at most {row['hideable']:.2f} of the "
                 f"reduction can hide; the reduction is bound by {what}")
     tail = step - compute
