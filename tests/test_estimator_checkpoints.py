@@ -16,7 +16,7 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 from tests.tf_workers import tf_common as common  # noqa: E402
 
-from hostreduce.errors import ConfigError  # noqa: E402
+from hostreduce.errors import CheckpointError, ConfigError, HostReduceError  # noqa: E402
 from hostreduce.estimator import Estimator, RunConfig  # noqa: E402
 from hostreduce.estimator import checkpoint as checkpoint_module  # noqa: E402
 from hostreduce.estimator.checkpoint import GLOBAL_STEP, CheckpointManager  # noqa: E402
@@ -77,9 +77,11 @@ def test_crash_before_publishing_leaves_the_previous_checkpoint(tmp_path: Path,
         raise OSError("killed")
 
     # Killed after writing every file of step 4, before the rename that publishes it.
+    # The write runs in the background: train() raises its error when it waits for it.
     monkeypatch.setattr(checkpoint_module.os, "rename", crash)
-    with pytest.raises(OSError, match="killed"):
+    with pytest.raises(CheckpointError, match="checkpoint of step 4 failed: OSError: killed") as raised:
         est.train(common.make_input_fn(), steps=2)
+    assert isinstance(raised.value.__cause__, OSError)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-000000002"]
     reader = tf.train.load_checkpoint(str(tmp_path))
@@ -93,12 +95,92 @@ def test_crash_before_publishing_leaves_the_previous_checkpoint(tmp_path: Path,
     # Killed after publishing step 4, before the index moved on: the index still names
     # a complete checkpoint, and the Estimator resumes from the newest directory.
     monkeypatch.setattr(checkpoint_module, "_write_index", crash)
-    with pytest.raises(OSError, match="killed"):
+    with pytest.raises(CheckpointError, match="killed"):
         resumed.train(common.make_input_fn(), steps=2)
     monkeypatch.undo()
     assert int(tf.train.load_checkpoint(str(tmp_path)).get_tensor(GLOBAL_STEP)) == 2
     assert _estimator(tmp_path).train(common.make_input_fn(), steps=1).global_step == 5
     assert int(tf.train.load_checkpoint(str(tmp_path)).get_tensor(GLOBAL_STEP)) == 5
+
+
+def test_checkpoints_are_written_beside_training_from_a_snapshot(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save copies the step's values and returns; the files are written in the
+    background while the next steps run, and train() returns with them on disk."""
+    import threading
+
+    est = _estimator(tmp_path, save_checkpoints_steps=2)
+    real_save = CheckpointManager.save
+    release, written = threading.Event(), []
+
+    def held_save(self, step, arrays, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if step == 2:  # the first write waits until training has gone past it
+            assert release.wait(120), "training stopped while a checkpoint was being written"
+        written.append(step)
+        return real_save(self, step, arrays, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", held_save)
+    at_step_2: dict[str, np.ndarray] = {}
+
+    def hook(step: int, loss: float) -> None:
+        if step == 2:  # before the save of step 2
+            at_step_2.update(est.get_variables())
+        if step == 3:  # step 3 ran while the write of step 2 was held
+            assert written == [] and not (tmp_path / "ckpt-000000002").exists()
+            release.set()
+
+    est.train(common.make_input_fn(), steps=6, hooks=[hook])
+    assert written == [2, 4, 6]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == \
+        ["ckpt-000000002", "ckpt-000000004", "ckpt-000000006"]
+    step, arrays, _ = CheckpointManager(str(tmp_path)).load(str(tmp_path / "ckpt-000000002"))
+    assert step == 2 and set(arrays) == set(at_step_2)
+    for name, value in at_step_2.items():  # the values of step 2, not of a later step
+        np.testing.assert_array_equal(arrays[name], value, err_msg=name)
+    assert int(tf.train.load_checkpoint(est.latest_checkpoint()).get_tensor(GLOBAL_STEP)) == 6
+
+
+def test_a_failed_background_write_is_raised_by_the_next_save(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    est = _estimator(tmp_path, save_checkpoints_steps=2)
+    real_save = CheckpointManager.save
+
+    def failing_save(self, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if step == 2:
+            raise OSError("No space left on device")
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", failing_save)
+    ran: list[int] = []
+    with pytest.raises(CheckpointError, match="checkpoint of step 2 failed: OSError: No space left") as raised:
+        est.train(common.make_input_fn(), steps=10, hooks=[lambda step, loss: ran.append(step)])
+    assert isinstance(raised.value, HostReduceError) and isinstance(raised.value.__cause__, OSError)
+    assert ran == [1, 2, 3, 4]  # the save of step 4 waited for the write of step 2 and raised its error
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]
+
+
+def test_a_write_that_does_not_end_is_an_error_after_the_timeout(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from hostreduce.estimator import checkpointing
+
+    est = _estimator(tmp_path, save_checkpoints_steps=2)
+    real_save, release = CheckpointManager.save, threading.Event()
+
+    def stuck_save(self, step, *args, **kwargs):  # type: ignore[no-untyped-def]
+        release.wait(60)  # a filesystem that does not answer
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", stuck_save)
+    monkeypatch.setattr(checkpointing, "WRITE_TIMEOUT_S", 0.5)
+    try:
+        with pytest.raises(CheckpointError, match="checkpoint of step 2 is still being written after"):
+            est.train(common.make_input_fn(), steps=3)
+    finally:
+        release.set()
+    est.latest_checkpoint()  # the write ends once the filesystem answers
+    assert [s for s, _ in CheckpointManager(str(tmp_path)).checkpoints()] == [2]
 
 
 @pytest.mark.slow

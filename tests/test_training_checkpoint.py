@@ -46,25 +46,46 @@ def test_crash_mid_write_keeps_latest(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.tf
 @pytest.mark.slow
-def test_resume_after_kill_matches_uninterrupted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hold", [False, True], ids=["plain", "killed-mid-write"])
+def test_resume_after_kill_matches_uninterrupted(tmp_path: Path, hold: bool) -> None:
+    """The chief dies one step after the checkpoint of step 9 was saved. Checkpoints are
+    written in the background, so that one is on disk only if its write finished before
+    the kill (with ``hold`` it never does): either way every checkpoint listed is whole,
+    none is partial, and the run resumed from the newest equals an uninterrupted one."""
     from tests.tf_workers import tf_common as common
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(WORKERS.parents[1]), os.environ.get("PYTHONPATH", "")]))
     env.pop("TF_CONFIG", None)
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, str(WORKERS / "resume_worker.py"), str(killed), "10", "16"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(WORKERS / "resume_worker.py"), str(killed), "10", "16",
+                           *(["9"] if hold else [])], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 17, proc.stdout + proc.stderr
-    assert [s for s, _ in CheckpointManager(str(killed)).checkpoints()] == [3, 6, 9]
-    # The checkpoint of step 9 (mid-epoch: 4 batches per epoch, reshuffled every epoch)
-    # holds the input's position: the resumed run goes on from it.
-    assert CheckpointManager(str(killed)).load_inputs(str(killed / "ckpt-000000009"))[0]
+    manager = CheckpointManager(str(killed))
+    listed = [s for s, _ in manager.checkpoints()]
+    assert listed == [3, 6] if hold else listed in ([3, 6], [3, 6, 9])
+    if hold:  # the kill landed in the write of step 9: its files were never published
+        assert [p.name for p in killed.iterdir() if p.name.startswith(".tmp-ckpt-9-")]
+    for step, path in manager.checkpoints():  # whole: variables, step and every input position
+        assert manager.load(path)[0] == step
+        # Steps 6 and 9 are mid-epoch (4 batches per epoch, reshuffled every epoch): the
+        # checkpoint holds the input's position, and the resumed run goes on from it.
+        assert manager.load_inputs(path)[0]
+    latest = listed[-1]
+    assert tf_latest_step(killed) == latest  # TensorFlow's index names the newest whole one
     resumed = common.train_weights(None, "adam", 16, model_dir=str(killed), save_every=3, n=64, shuffle=True)
     straight = common.train_weights(None, "adam", 16, model_dir=str(tmp_path / "straight"), save_every=3, n=64,
                                     shuffle=True)
-    assert int(resumed.pop("__steps_run__")) == 7 and int(straight.pop("__steps_run__")) == 16
+    assert int(resumed.pop("__steps_run__")) == 16 - latest and int(straight.pop("__steps_run__")) == 16
     assert sorted(resumed) == sorted(straight)
     assert int(resumed["adam/iteration"]) == 16
     for key in straight:
         np.testing.assert_allclose(resumed[key], straight[key], rtol=1e-6, atol=1e-7, err_msg=key)
     assert CheckpointManager(str(killed)).latest()[0] == 16
+
+
+def tf_latest_step(model_dir: Path) -> int:
+    import tensorflow as tf
+
+    from hostreduce.estimator.checkpoint import GLOBAL_STEP
+
+    return int(tf.train.load_checkpoint(str(model_dir)).get_tensor(GLOBAL_STEP))

@@ -18,8 +18,9 @@ Each variable is stored under its Estimator name (``Estimator.get_variable_names
 the Estimator's step under ``hostreduce/global_step`` (int64).
 
 A checkpoint is written under a temporary name, every file and the directory are
-fsynced, and only then is the directory renamed into place; the ``checkpoint`` index is
-replaced after that, and old checkpoints are pruned last. A crash at any moment leaves
+fsynced (together: one flush's time, not one per file), and only then is the directory
+renamed into place; the ``checkpoint`` index is replaced once that rename is on disk,
+and old checkpoints are pruned last. A crash at any moment leaves
 the previous checkpoint complete and indexed, and never exposes a half-written one.
 Only the newest ``keep_checkpoint_max`` are kept.
 
@@ -36,7 +37,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .._files import fsync_path, replace_atomically, write_synced
+from .._files import fsync_paths, replace_atomically, write_file
 from ..errors import CheckpointError
 
 __all__ = ["CheckpointManager", "CheckpointError", "GLOBAL_STEP"]
@@ -60,8 +61,11 @@ def _index_text(latest: str, kept: list[str]) -> bytes:
 
 
 def _write_index(directory: str, latest: str, kept: list[str]) -> None:
-    """Replace ``directory/checkpoint`` atomically."""
-    replace_atomically(os.path.join(directory, _INDEX), _index_text(latest, kept))
+    """Replace ``directory/checkpoint`` atomically, once ``directory``'s entries (the
+    checkpoint it names) are on disk. The replacement itself is not flushed: lost in a
+    crash, the index names the checkpoint before, which is whole too."""
+    replace_atomically(os.path.join(directory, _INDEX), _index_text(latest, kept), sync_first=[directory],
+                       durable=False)
 
 
 class CheckpointManager:
@@ -101,7 +105,7 @@ class CheckpointManager:
         return os.path.join(path, _VARIABLES) if os.path.isfile(os.path.join(path, _VARIABLES + ".index")) else path
 
     def save(self, step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
-             inputs: Mapping[int, Mapping[str, bytes]] | None = None) -> str:
+             inputs: Mapping[int, Mapping[str, bytes]] | None = None, prune: bool = True) -> str:
         """Write the checkpoint of ``step`` atomically; return its directory.
 
         Args:
@@ -110,6 +114,8 @@ class CheckpointManager:
             meta: extra JSON-serializable entries for ``meta.json``.
             inputs: each rank's input position: ``{rank: {suffix: file contents}}``, as
                 :func:`hostreduce.estimator.input_state.save_iterator` returns them.
+            prune: remove the checkpoints beyond ``keep_checkpoint_max`` (else the
+                caller does, with :meth:`prune`).
         """
         if GLOBAL_STEP in arrays:
             raise CheckpointError(f"`arrays` must not hold the reserved name {GLOBAL_STEP!r}")
@@ -127,16 +133,13 @@ class CheckpointManager:
                 for suffix, data in files.items():
                     if not suffix.startswith(".") or "/" in suffix or os.sep in suffix:
                         raise CheckpointError(f"Input state of rank {rank}: invalid file suffix {suffix!r}")
-                    write_synced(os.path.join(tmp, f"input-rank{int(rank)}{suffix}"), data)
-            write_synced(os.path.join(tmp, _INDEX), _index_text(_VARIABLES, [_VARIABLES]))
+                    write_file(os.path.join(tmp, f"input-rank{int(rank)}{suffix}"), data)
+            write_file(os.path.join(tmp, _INDEX), _index_text(_VARIABLES, [_VARIABLES]))
             info = {"format": FORMAT_VERSION, "step": int(step), "names": names,
                     "input_ranks": sorted(int(r) for r in (inputs or {})), **dict(meta or {})}
-            write_synced(os.path.join(tmp, _META), json.dumps(info).encode())
-            for name in os.listdir(tmp):
-                fsync_path(os.path.join(tmp, name))
-            fsync_path(tmp)
+            write_file(os.path.join(tmp, _META), json.dumps(info).encode())
+            fsync_paths([os.path.join(tmp, name) for name in os.listdir(tmp)] + [tmp])
             os.rename(tmp, final)
-            fsync_path(self.model_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -145,7 +148,8 @@ class CheckpointManager:
         latest = os.path.basename(kept[-1][1])
         _write_index(self.model_dir, f"{latest}/{_VARIABLES}",
                      [f"{os.path.basename(p)}/{_VARIABLES}" for _, p in kept])
-        self._prune()
+        if prune:
+            self.prune()
         return final
 
     def load(self, path: str | None = None) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
@@ -184,7 +188,8 @@ class CheckpointManager:
             raise CheckpointError(f"Checkpoint {path!r} cannot be read: {exc}") from exc
         return found
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Remove the checkpoints older than the newest ``keep_checkpoint_max``."""
         found = self.checkpoints()
         for _, path in found[: max(len(found) - self.keep_checkpoint_max, 0)]:
             shutil.rmtree(path, ignore_errors=True)

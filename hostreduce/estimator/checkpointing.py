@@ -5,20 +5,39 @@ The files themselves (format, atomic writes, names) are ``checkpoint.py``'s; thi
 module decides the collectives around them. Every worker takes the same decisions at
 the same steps, the chief's settings and clock deciding, so a worker without a
 ``model_dir`` still takes part in every save.
+
+The chief writes in the background: a save copies the variables' values (a consistent
+snapshot of the step, taken with every worker's input position at the same step) and
+returns, and a writer thread writes the files while training goes on. A save waits for
+the previous write first, so at most one write is in flight and a checkpoint is on disk
+at the latest when the next save starts. :meth:`Checkpointing.flush` waits for the write
+in flight: ``train()`` calls it before it returns (its last checkpoint is then on disk),
+as do ``close()`` and the readers of checkpoints. A write that fails raises
+``CheckpointError`` at the next save or flush, and one still running after
+``WRITE_TIMEOUT_S`` raises it there too. A chief killed while a write is in flight
+loses that checkpoint only: the write is atomic (``checkpoint.py``), so no part of it
+is ever taken for a checkpoint, and a resumed run starts from the newest whole one. The
+writer thread is not a daemon: a process that ends normally, even by an exception,
+finishes the write first. With parameter servers the save stays synchronous, since
+their shards are written at the same point as the chief's files.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..errors import CheckpointError
 from ..progress import logger, progress
 from .checkpoint import CheckpointManager
 from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
 
-__all__ = ["Checkpointing", "with_ps_tables"]
+__all__ = ["Checkpointing", "with_ps_tables", "WRITE_TIMEOUT_S"]
+
+WRITE_TIMEOUT_S = 600.0  # the longest wait for a checkpoint being written before it counts as failed
 
 
 def with_ps_tables(files: CheckpointManager, step: int, arrays: dict[str, np.ndarray], keys: list[str]
@@ -52,11 +71,14 @@ class Checkpointing:
         self.ps: Any = None  # with parameter servers: saves their shards around the chief's checkpoint
         self._last_save = time.monotonic()
         self._input_warned = False
+        self._writer: _Writer | None = None
+        self._saved_step: int | None = None  # the step of this train()'s last save (policy() starts a train())
 
     # -- variables -----------------------------------------------------------------
     def restore_latest(self, variables: list[tuple[str, Any]]) -> int | None:
         """Assign ``variables`` their values in the latest checkpoint, where it has them
         (no collective); return its step, or None without a checkpoint."""
+        self.flush()
         latest = self.files.latest() if self.files is not None else None
         if latest is None:
             return None
@@ -80,6 +102,7 @@ class Checkpointing:
         if strategy.size > 1:
             policy = strategy.reducer.broadcast("hostreduce.ckpt.policy", policy, root=0)
         self.chief_saves = bool(policy[0])
+        self._saved_step = None
         return int(policy[1]) or None, float(policy[2]) or None
 
     def due(self, step: int, save_every: int | None, save_secs: float | None) -> bool:
@@ -100,26 +123,39 @@ class Checkpointing:
         position. Every worker calls this at the same steps (the positions are gathered
         to the chief); ``input_ended``: the data ran out, so no position is saved and
         the next ``train`` starts ``input_fn``'s data anew."""
-        if not self.chief_saves:
-            return
-        self._last_save = time.monotonic()
+        if not self.chief_saves or step == self._saved_step:
+            return  # (the end of train() right after a periodic save: every worker knows)
+        self._last_save, self._saved_step = time.monotonic(), step
         inputs = self._gather_inputs(input_ended)
         if not self._strategy.is_chief:
             return
         meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
                 ("ended" if input_ended else "not checkpointable")}
-        existing = self.files.find(step)  # type: ignore[union-attr]
-        if existing is not None:
+        files = self.files
+        assert files is not None
+        writer = self._writer
+        if (writer is not None and writer.step == step) or files.find(step) is not None:
             # Written already (the end of train() at a step a periodic save wrote): the
             # files of a step are never rewritten, so neither are the ps shards beside
             # them, which must stay the same point as the chief's variables.
             return
         if self.ps is not None:
+            self.flush()
             self.ps.before_save(step)
-        path = self.files.save(step, variables(), meta, inputs)  # type: ignore[union-attr]
-        if self.ps is not None:
+            path = files.save(step, variables(), meta, inputs)
             self.ps.after_save(step)
-        progress("Saved checkpoint for step %d to %s", step, path)
+            progress("Saved checkpoint for step %d to %s", step, path)
+            return
+        snapshot = {name: np.array(value, copy=True) for name, value in variables().items()}
+        if writer is None:
+            writer = self._writer = _Writer()
+        writer.submit(step, lambda: files.save(step, snapshot, meta, inputs, prune=False), files.prune)
+
+    def flush(self) -> None:
+        """Wait until the checkpoint being written is on disk and the old ones it
+        pushed out are removed; raise its write's error (``CheckpointError``)."""
+        if self._writer is not None:
+            self._writer.wait(cleaned=True)
 
     def _gather_inputs(self, input_ended: bool) -> dict[int, dict[str, bytes]] | None:
         """Every worker's input position on the chief (None unless all have one)."""
@@ -171,3 +207,67 @@ class Checkpointing:
         if strategy.is_chief:
             progress("Restored the input position of %d worker(s) from %s", len(blobs or ()), path)
         return iterator
+
+
+class _Writer:
+    """One background thread at a time writing a checkpoint. ``step`` is the step of
+    the write in flight or last submitted. A write is done once its checkpoint is
+    published (whole and indexed); the old checkpoints it pushes out are removed after
+    that, beside the next write, and :meth:`wait` waits for that only with ``cleaned``."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self._done = threading.Event()
+        self._done.set()
+        self._cleaning: list[threading.Event] = []  # one per write whose clean-up may still run
+        self._error: BaseException | None = None
+        self._started = 0.0
+
+    def submit(self, step: int, write: Callable[[], str], clean: Callable[[], None]) -> None:
+        """Start ``write()`` and then ``clean()`` once the previous write is done
+        (raising its error)."""
+        self.wait()
+        done, cleaned = threading.Event(), threading.Event()
+        self.step, self._error, self._started, self._done = step, None, time.monotonic(), done
+        self._cleaning = [e for e in self._cleaning if not e.is_set()] + [cleaned]
+        threading.Thread(target=self._run, args=(step, write, clean, done, cleaned),
+                         name=f"hostreduce-checkpoint-{step}").start()
+
+    def _run(self, step: int, write: Callable[[], str], clean: Callable[[], None], done: threading.Event,
+             cleaned: threading.Event) -> None:
+        try:
+            try:
+                path = write()
+                progress("Saved checkpoint for step %d to %s (written in %.0f ms beside training)", step, path,
+                         (time.monotonic() - self._started) * 1e3)
+            except BaseException as exc:  # noqa: BLE001 - raised by the next save or flush
+                self._error = exc
+                return
+            finally:
+                done.set()
+            try:
+                clean()
+            except Exception as exc:  # noqa: BLE001 - old checkpoints are left; a later save removes them
+                logger.warning("Removing old checkpoints failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            cleaned.set()
+
+    def wait(self, cleaned: bool = False, timeout_s: float | None = None) -> None:
+        """Wait for the write in flight (at most ``timeout_s``, default
+        ``WRITE_TIMEOUT_S``), and with ``cleaned`` for the removal of old checkpoints
+        after it; raise the write's error as ``CheckpointError``."""
+        timeout_s = WRITE_TIMEOUT_S if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        ended = self._done.wait(timeout_s)
+        if ended and cleaned:
+            ended = all(e.wait(max(deadline - time.monotonic(), 0.0)) for e in self._cleaning)
+        if not ended:
+            raise CheckpointError(f"The checkpoint of step {self.step} is still being written after "
+                                  f"{time.monotonic() - self._started:.0f} s (the limit is {timeout_s:g} s): is "
+                                  "model_dir's filesystem stuck?")
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"Writing the checkpoint of step {self.step} failed: "
+                                  f"{type(error).__name__}: {error}") from error

@@ -116,7 +116,9 @@ class Estimator:
 
     def latest_checkpoint(self) -> str | None:
         """The prefix of the latest checkpoint in ``model_dir`` (``.../ckpt-N/variables``,
-        what ``tf.train.latest_checkpoint(model_dir)`` returns), or None."""
+        what ``tf.train.latest_checkpoint(model_dir)`` returns), or None; a checkpoint
+        being written in the background is waited for."""
+        self._ckpt.flush()
         latest = self._checkpoints.latest() if self._checkpoints else None
         return CheckpointManager.prefix(latest[1]) if latest else None
 
@@ -277,6 +279,7 @@ class Estimator:
                 self._save()
                 self._timeline.flush()
         self._save(input_ended=not has_data)
+        self._ckpt.flush()  # the last checkpoint is on disk when train() returns
         if session is not None:
             session.end()
         if isinstance(program, PSTrainProgram):
@@ -447,6 +450,7 @@ class Estimator:
 
     def close(self) -> None:
         """Flush the timeline and summaries and release the strategy's reducer."""
+        self._ckpt.flush()
         self._timeline.flush()
         self._summaries.close()
         self._eval_summaries.close()

@@ -2,8 +2,9 @@
 
 A ``tf.data`` iterator is checkpointable: ``tf.train.Checkpoint(iterator=it)`` writes
 its position (buffered elements, shuffle buffers and seeds included) as a small
-TensorFlow checkpoint. Each worker writes its own into a private temporary directory
-and packs the files into one byte string; the chief gathers every worker's string
+TensorFlow checkpoint. Each worker writes its own into a private directory of
+TensorFlow's in-memory filesystem (``ram://``: no disk, whose metadata operations wait
+for other writers' flushes) and packs the files into one byte string; the chief gathers every worker's string
 through the job's reducer and stores them beside the variables, so workers need no
 shared filesystem. Restoring is the reverse: the chief sends each worker its string and
 the worker reads it back with ``tf.train.Checkpoint(iterator=it).read``.
@@ -14,11 +15,12 @@ A dataset whose state lives outside TensorFlow (``from_generator``, ``py_functio
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
-import tempfile
-from typing import Any, Mapping, Sequence
+import uuid
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -37,18 +39,30 @@ def save_iterator(iterator: Any) -> dict[str, bytes]:
     """The files of ``tf.train.Checkpoint(iterator=iterator)``, by suffix."""
     import tensorflow as tf
 
-    with tempfile.TemporaryDirectory(prefix="hostreduce-input-") as tmp:
-        prefix = os.path.join(tmp, _PREFIX)
+    with _ram_directory() as tmp:
         try:
-            tf.train.Checkpoint(iterator=iterator).write(prefix)
+            tf.train.Checkpoint(iterator=iterator).write(f"{tmp}/{_PREFIX}")
         except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as exc:
             raise InputNotCheckpointable(f"{type(exc).__name__}: {_reason(exc)}") from None
         files = {}
-        for name in os.listdir(tmp):
+        for name in tf.io.gfile.listdir(tmp):
             if name.startswith(_PREFIX):
-                with open(os.path.join(tmp, name), "rb") as f:
+                with tf.io.gfile.GFile(f"{tmp}/{name}", "rb") as f:
                     files[name[len(_PREFIX):]] = f.read()
     return files
+
+
+@contextlib.contextmanager
+def _ram_directory() -> Iterator[str]:
+    """A fresh directory of TensorFlow's in-memory filesystem, removed afterwards."""
+    import tensorflow as tf
+
+    path = f"ram://hostreduce-input-{os.getpid()}-{uuid.uuid4().hex}"
+    tf.io.gfile.makedirs(path)
+    try:
+        yield path
+    finally:
+        tf.io.gfile.rmtree(path)
 
 
 def _reason(exc: Exception) -> str:
@@ -62,13 +76,13 @@ def restore_iterator(iterator: Any, files: IteratorFiles) -> None:
     """Move ``iterator`` to the position that :func:`save_iterator` recorded in ``files``."""
     import tensorflow as tf
 
-    with tempfile.TemporaryDirectory(prefix="hostreduce-input-") as tmp:
+    with _ram_directory() as tmp:
         for suffix, data in files.items():
             if "/" in suffix or os.sep in suffix:
                 raise HostReduceError(f"Input state holds an invalid file suffix {suffix!r}")
-            with open(os.path.join(tmp, _PREFIX + suffix), "wb") as f:
+            with tf.io.gfile.GFile(f"{tmp}/{_PREFIX}{suffix}", "wb") as f:
                 f.write(data)
-        tf.train.Checkpoint(iterator=iterator).read(os.path.join(tmp, _PREFIX)).assert_consumed()
+        tf.train.Checkpoint(iterator=iterator).read(f"{tmp}/{_PREFIX}").assert_consumed()
 
 
 def pack(files: IteratorFiles) -> bytes:
