@@ -164,3 +164,22 @@ def test_step_profile_quick_profiles_a_fit_job_and_the_idle_cost(tmp_path: Path)
     assert all(r["step_ms"] > 0 and r["cpu_ms"] > 0 for r in idle.values())
     assert idle["sleep"]["step_ms"] >= 1.0 and idle["poll"]["step_ms"] >= 1.0
     assert "idle_cost_ms" in result and "a sleeping wait costs" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_checkpoints_quick_times_training_with_and_without_saves(tmp_path: Path) -> None:
+    proc = _run("checkpoints.py", tmp_path, timeout=220)
+    result = json.loads((tmp_path / "checkpoints.json").read_text())
+    assert (tmp_path / "checkpoints.png").stat().st_size > 0
+    assert result["settings"]["rows"] == ["none", "every2"] and result["settings"]["steps"] == 40
+    rows = result["rows"]
+    assert set(rows) == {"none", "every2"} and all(r["steps_per_s"] > 0 for r in rows.values())
+    every2 = rows["every2"]
+    # Timed from the hook of step 20, before its save: the saves of steps 20, 22, ..., 60
+    # (the end of train() at step 60 saves nothing more); the chief's files are written
+    # by the background thread.
+    assert every2["saves"] == 21 and every2["write_in_background"] is True
+    assert every2["blocking_ms_chief"] > 0 and every2["write_ms"] > 0
+    assert every2["checkpoint_bytes"] > every2["input_bytes"] > 0
+    assert "saves" not in rows["none"]
+    assert "every2" in proc.stdout
