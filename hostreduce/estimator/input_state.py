@@ -110,14 +110,22 @@ def _from_words(words: np.ndarray, size: int) -> bytes:
 
 
 def gather(reducer: Any, blob: bytes | None, name: str) -> list[bytes | None]:
-    """Every rank's ``blob`` (None where a rank has none), in rank order, on every rank."""
-    size = -1 if blob is None else len(blob)
-    sizes = [int(s) for s in reducer.allgather(f"{name}.sizes", np.array([size], np.int64))]
-    words = max((s + 7) // 8 for s in sizes)
-    if words <= 0:
-        return [None] * len(sizes)
-    data = reducer.allgather(f"{name}.data", _as_words(blob or b"", words)).reshape(len(sizes), words)
-    return [None if s < 0 else _from_words(row, s) for s, row in zip(sizes, data)]
+    """Every rank's ``blob`` (None where a rank has none), in rank order, on every rank:
+    one all-gather of each rank's length word followed by its blob in words (ranks may
+    send different lengths)."""
+    own = np.array([-1], np.int64) if blob is None else \
+        np.concatenate([np.array([len(blob)], np.int64), _as_words(blob, (len(blob) + 7) // 8)])
+    words = reducer.allgather(f"{name}.blobs", own)
+    found: list[bytes | None] = []
+    at = 0
+    for _ in range(reducer.size):
+        size = int(words[at])
+        length = 0 if size < 0 else (size + 7) // 8
+        found.append(None if size < 0 else _from_words(words[at + 1:at + 1 + length], size))
+        at += 1 + length
+    if at != len(words):
+        raise HostReduceError(f"All-gather {name!r}: {len(words)} words do not hold {reducer.size} blobs")
+    return found
 
 
 def broadcast(reducer: Any, blobs: Sequence[bytes | None] | None, name: str, root: int = 0) -> list[bytes | None]:
