@@ -817,12 +817,13 @@ def _plot_device(path: Path, rows: list[dict]) -> None:
                        float("nan")) for nw in networks]
             label = f"{SYSTEMS[key[0]][1]}: {SCHEDULE_LABELS[key[1]]}"
             bars = ax.bar([i + j * width for i in range(len(networks))], ys, width, label=label)
+            if key[1] in ("sequential", "apply-once"):
+                continue  # the hidden fraction is written over the streamed schedules only
             for b, nw in zip(bars, networks):
                 r = next((r for r in mine if r["network"] == nw and (r["system"], r["schedule"]) == key), None)
-                if r is not None and key[0] != "ring" or key[1] == "streamed":
-                    if r is not None:
-                        ax.annotate(f"{r['hidden_fraction']:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                                    ha="center", va="bottom", fontsize=7)
+                if r is not None:
+                    ax.annotate(f"{r['hidden_fraction']:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                ha="center", va="bottom", fontsize=7)
         for k, (what, style) in enumerate((("compute_ms", "--"), ("reduction_ms", ":"))):
             for i, nw in enumerate(networks):
                 vals = [r[what] for r in mine if r["network"] == nw and r["system"] == "ring"]
