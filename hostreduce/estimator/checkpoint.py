@@ -21,7 +21,9 @@ A checkpoint is written under a temporary name, every file and the directory are
 fsynced (together: one flush's time, not one per file), and only then is the directory
 renamed into place; the ``checkpoint`` index is replaced once that rename is on disk,
 and old checkpoints are pruned last. A crash at any moment leaves
-the previous checkpoint complete and indexed, and never exposes a half-written one.
+the previous checkpoint complete and indexed, and never exposes a half-written one; a
+crash between the rename and the index's replacement leaves the index one checkpoint
+behind, and the chief's next start points it at the newest (:meth:`repair_index`).
 Only the newest ``keep_checkpoint_max`` are kept.
 
 Checkpoints of the earlier format (``variables.npz``) still load, without input state.
@@ -143,11 +145,7 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        found = self.checkpoints()
-        kept = found[max(len(found) - self.keep_checkpoint_max, 0):]
-        latest = os.path.basename(kept[-1][1])
-        _write_index(self.model_dir, f"{latest}/{_VARIABLES}",
-                     [f"{os.path.basename(p)}/{_VARIABLES}" for _, p in kept])
+        self._index(self.checkpoints())
         if prune:
             self.prune()
         return final
@@ -187,6 +185,28 @@ class CheckpointManager:
         except OSError as exc:
             raise CheckpointError(f"Checkpoint {path!r} cannot be read: {exc}") from exc
         return found
+
+    def _index(self, found: list[tuple[int, str]]) -> None:
+        kept = found[max(len(found) - self.keep_checkpoint_max, 0):]
+        _write_index(self.model_dir, f"{os.path.basename(kept[-1][1])}/{_VARIABLES}",
+                     [f"{os.path.basename(p)}/{_VARIABLES}" for _, p in kept])
+
+    def repair_index(self) -> bool:
+        """Point TensorFlow's ``checkpoint`` index at the newest complete checkpoint
+        where it names an older one (a crash between a checkpoint's rename and the
+        index's replacement leaves it so); return whether it was rewritten."""
+        found = self.checkpoints()
+        if not found:
+            return False
+        want = _index_text(f"{os.path.basename(found[-1][1])}/{_VARIABLES}", [])
+        try:
+            with open(os.path.join(self.model_dir, _INDEX), "rb") as f:
+                if f.readline() == want.splitlines(keepends=True)[0]:
+                    return False
+        except FileNotFoundError:
+            pass
+        self._index(found)
+        return True
 
     def prune(self) -> None:
         """Remove the checkpoints older than the newest ``keep_checkpoint_max``."""

@@ -82,6 +82,10 @@ class Checkpointing:
         latest = self.files.latest() if self.files is not None else None
         if latest is None:
             return None
+        if self._strategy.rank == 0 and self.files.repair_index():  # type: ignore[union-attr]
+            logger.warning("TensorFlow's checkpoint index in %s named an older checkpoint than %s "
+                           "(a crash between its write and the index's): it now names %s",
+                           self.files.model_dir, latest[1], latest[1])  # type: ignore[union-attr]
         step, arrays, _ = self.files.load(latest[1])  # type: ignore[union-attr]
         arrays = with_ps_tables(self.files, step, arrays, [k for k, _ in variables])  # type: ignore[arg-type]
         restored = 0
