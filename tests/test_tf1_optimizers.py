@@ -23,7 +23,7 @@ from tests.tf_workers import tf_common as common  # noqa: E402
 
 from hostreduce.errors import SpecError  # noqa: E402
 from hostreduce.estimator import Estimator, EstimatorSpec, ModeKeys, RunConfig  # noqa: E402
-from hostreduce.host.tf1 import MODEL_FN, tf1_optimizer_scope  # noqa: E402
+from hostreduce.host.tf1 import HOST_CALL, MODEL_FN, tf1_optimizer_scope  # noqa: E402
 from hostreduce.strategies import SingleProcessStrategy  # noqa: E402
 
 pytestmark = pytest.mark.tf
@@ -186,23 +186,41 @@ def test_ported_ipu_model_fn_trains() -> None:
     assert int(est.get_variable_value("global_step")) == 60
 
 
-def test_update_inside_model_fn_with_several_workers_is_refused() -> None:
-    variable = tf.Variable(np.ones(3, "float32"))
-    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
-
-    @tf.function(autograph=False)
-    def step(how: str):
-        with tf1_optimizer_scope(MODEL_FN, workers=2):
-            loss = tf.reduce_sum(variable * variable)
-            if how == "minimize":
-                optimizer.minimize(loss, var_list=[variable])
-            else:
-                optimizer.apply_gradients(optimizer.compute_gradients(loss, var_list=[variable]))
-        return loss
-
+def test_update_inside_model_fn_with_several_workers_runs_on_the_host() -> None:
+    """With several workers, ``minimize``/``apply_gradients`` inside ``model_fn`` update
+    nothing there: they leave the update, with its gradients, for the host (the Estimator
+    all-reduces the gradients and runs it, as an explicit ``host_call``)."""
     for how in ("minimize", "apply"):
-        with pytest.raises(SpecError, match="compute_gradients.*host_call"):
-            step(how)
+        variable = tf.Variable(np.ones(3, "float32"))
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        seen = []
+
+        @tf.function(autograph=False)
+        def step(twice: bool):
+            with tf1_optimizer_scope(MODEL_FN, workers=2) as context:
+                loss = tf.reduce_sum(variable * variable)
+                for _ in range(2 if twice else 1):
+                    if how == "minimize":
+                        optimizer.minimize(loss, var_list=[variable])
+                    else:
+                        optimizer.apply_gradients(optimizer.compute_gradients(loss, var_list=[variable]))
+            seen.append(context.host_call)
+            return loss
+
+        step(False)
+        np.testing.assert_array_equal(variable.numpy(), np.ones(3, "float32"))  # not updated in model_fn
+        fn, grads = seen[0]
+        assert len(grads) == 1
+
+        @tf.function(autograph=False)
+        def host(grad):
+            with tf1_optimizer_scope(HOST_CALL):
+                fn(grad)
+
+        host(tf.constant(np.full(3, 2.0, "float32")))  # the averaged gradient
+        np.testing.assert_allclose(variable.numpy(), np.full(3, 0.8, "float32"))
+        with pytest.raises(SpecError, match="called twice"):
+            step(True)
 
 
 def test_unsupported_arguments_raise_spec_error() -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..host.variables import VariableStore
 from ..timeline import Timeline, timeline_dir_from_env
-from ..progress import progress
+from ..progress import logger, progress
 from .checkpoint import CheckpointManager
 from .checkpointing import Checkpointing, with_ps_tables
 from .export import features_spec, write_saved_model
@@ -45,6 +45,7 @@ class Estimator:
     def __init__(self, model_fn: Callable[..., Any], model_dir: str | None = None,
                  config: RunConfig | None = None, params: dict[str, Any] | None = None) -> None:
         check_model_fn(model_fn)
+        _run_eagerly_outside_functions()
         if config is None:
             config = RunConfig()
         if not isinstance(config, RunConfig):
@@ -455,3 +456,26 @@ class Estimator:
         self._summaries.close()
         self._eval_summaries.close()
         self._strategy.close()
+
+
+def _run_eagerly_outside_functions() -> None:
+    """Scripts written for ``tf.estimator`` often begin with
+    ``tf.compat.v1.disable_eager_execution()``: ``tf.estimator`` built ``model_fn`` into
+    a TF1 graph and ran it in a session. This Estimator traces ``model_fn`` into a
+    ``tf.function`` (graph semantics all the same) and drives it eagerly, so it turns
+    eager execution back on, which TensorFlow allows while no TF1 graph was built."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly():  # (asking about outer contexts would build the global TF1 graph)
+        return
+    try:
+        tf.compat.v1.enable_eager_execution()
+    except ValueError as exc:
+        raise ConfigError(
+            "hostreduce's Estimator runs model_fn as a tf.function, with eager execution on outside it; "
+            "tf.compat.v1.disable_eager_execution() was called and a TF1 graph was built since, so it cannot be "
+            "turned back on. Remove the disable_eager_execution() call, or make the Estimator before building any "
+            f"graph. Received: eager execution disabled ({exc})") from None
+    logger.info("Eager execution was disabled (tf.compat.v1.disable_eager_execution()); the Estimator turned it "
+                "back on: model_fn still runs as a graph, inside a tf.function")
+

@@ -99,9 +99,12 @@ class ProgramBase:
 
     def _call_model_fn(self, features: Any, labels: Any) -> EstimatorSpec:
         strategy = getattr(self, "strategy", None)
-        with tf1_optimizer_scope(MODEL_FN, workers=strategy.size if strategy is not None else 1):
+        with tf1_optimizer_scope(MODEL_FN, workers=strategy.size if strategy is not None else 1) as seen:
             value = call_model_fn(self.model_fn, features, labels, self.mode, self.params, self.config)
         spec = _as_spec(value, self.mode)
+        if seen.host_call is not None and spec.host_call is None:
+            # model_fn's own minimize/apply_gradients, with several workers: run on the host
+            spec = spec._replace(host_call=seen.host_call)
         self.spec = spec
         return spec
 

@@ -16,11 +16,14 @@ the optimizer's public methods are routed through this module:
   with ``variables_on_host``, and are checkpointed and restored with the model.
 - ``get_global_step``/``get_or_create_global_step`` give one ``global_step`` variable
   held like the others (TensorFlow's own cannot be made inside a traced function).
-- ``minimize`` is the two together. Inside ``model_fn`` with several workers there is
-  no averaging between them before the update, so ``minimize`` and
-  ``apply_gradients`` raise ``SpecError`` there and say what to write instead. (An
-  Estimator without ``train_distribute`` trains alone: there they run, and an optimizer
-  wrapped in ``hvd.DistributedOptimizer`` averages over the Horovod job by itself.)
+- ``minimize`` is the two together. Inside ``model_fn`` with several workers, as under
+  ``tf.estimator`` with a multi-worker ``train_distribute``, the update is not made
+  there: ``apply_gradients`` (and so ``minimize``) leaves it, with its gradients, in the
+  block's context (``host_call``), and the Estimator hands the gradients off as the
+  backward pass produces them, averages them over the workers and runs the update on
+  the host, as for an explicit ``EstimatorSpec(host_call=...)``. (An Estimator without
+  ``train_distribute`` trains alone: there they run in place, and an optimizer wrapped
+  in ``hvd.DistributedOptimizer`` averages over the Horovod job by itself.)
 
 Outside the block every call reaches TensorFlow unchanged.
 """
@@ -52,7 +55,7 @@ _HOST_CALL_HINT = (
 
 
 @contextlib.contextmanager
-def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[None]:
+def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[_Context]:
     """Route ``tf.compat.v1.train.Optimizer`` methods through this module in this block.
 
     Args:
@@ -67,22 +70,27 @@ def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[None]:
         raise ConfigError(f"`place` must be {MODEL_FN!r} or {HOST_CALL!r}. Received: place={place!r}")
     train = tf.compat.v1.train
     previous = getattr(_local, "context", None)
-    _local.context = _Context(place, workers)
+    context = _local.context = _Context(place, workers)
     try:
         with contextlib.ExitStack() as stack:
             for name, route in _ROUTES.items():
                 stack.enter_context(routed(train.Optimizer, name, route))
             for name in ("get_global_step", "get_or_create_global_step", "create_global_step"):
                 stack.enter_context(routed(train, name, _global_step))
-            yield
+            yield context
     finally:
         _local.context = previous
 
 
 class _Context:
+    """What the block saw: with several workers, ``host_call`` is the update that
+    ``model_fn`` asked for (``minimize``/``apply_gradients``), to run on the host after
+    the all-reduce, as ``(fn, gradients)``."""
+
     def __init__(self, place: str, workers: int) -> None:
         self.place, self.workers = place, workers
         self.global_step: Any = None
+        self.host_call: tuple[Any, list[Any]] | None = None
 
 
 def _context() -> _Context:
@@ -148,27 +156,44 @@ def _compute_gradients(original: Any, self: Any, loss: Any, var_list: Any = None
 
 def _apply_gradients(original: Any, self: Any, grads_and_vars: Any, global_step: Any = None, name: Any = None,
                      *args: Any, **kwargs: Any) -> Any:
-    workers = _workers_updating_in_model_fn()
-    if workers:
-        raise SpecError(
-            f"`{type(self).__name__}.apply_gradients` inside `model_fn` would update each of the {workers} "
-            f"workers with its own gradients, never averaged across them. {_HOST_CALL_HINT}"
-        )
+    if _workers_updating_in_model_fn():
+        return _apply_on_host(self, grads_and_vars, global_step, name, args, kwargs)
     pairs = [(grad, _tf_variable(var, "grads_and_vars")) for grad, var in grads_and_vars]
     if global_step is not None:
         global_step = _tf_variable(global_step, "global_step")
     return original(self, pairs, global_step, name, *args, **kwargs)
 
 
+def _apply_on_host(optimizer: Any, grads_and_vars: Any, global_step: Any, name: Any, args: Any, kwargs: Any) -> Any:
+    """``apply_gradients`` inside ``model_fn`` with several workers, as ``tf.estimator``
+    ran it under a multi-worker strategy: the gradients are handed off as the backward
+    pass produces them, averaged over the workers, and the update runs on the host, as
+    an explicit ``host_call`` would (the Estimator takes this one when ``model_fn``
+    gave none). What ``model_fn`` gets back is a no-op standing for the update."""
+    import tensorflow as tf
+
+    context = _context()
+    if context.host_call is not None:
+        raise SpecError(f"`{type(optimizer).__name__}.apply_gradients` (or `minimize`) was called twice inside "
+                        f"`model_fn`: with several workers one update per step can run on the host. {_HOST_CALL_HINT}")
+    pairs = [(grad, var) for grad, var in grads_and_vars if grad is not None]
+    if not pairs:
+        raise SpecError("`grads_and_vars` has no gradient: no variable is connected to the loss.")
+    variables = [var for _, var in pairs]
+    for variable in variables:
+        _tf_variable(variable, "grads_and_vars")
+    grads = [tf.convert_to_tensor(grad) for grad, _ in pairs]  # a tf.IndexedSlices is reduced dense
+
+    def apply(*reduced: Any) -> Any:
+        return optimizer.apply_gradients(list(zip(reduced, variables)), global_step, name, *args, **kwargs)
+
+    context.host_call = (apply, grads)
+    return tf.no_op(name="update_on_host")
+
+
 def _minimize(original: Any, self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
-    workers = _workers_updating_in_model_fn()
-    if workers:
-        raise SpecError(
-            f"`{type(self).__name__}.minimize` inside `model_fn` cannot average the gradients of the {workers} "
-            f"workers before the update. {_HOST_CALL_HINT}"
-        )
     # TensorFlow's minimize calls self.compute_gradients and self.apply_gradients,
-    # which this block routes.
+    # which this block routes (with several workers, the update then runs on the host).
     return original(self, loss, *args, **kwargs)
 
 

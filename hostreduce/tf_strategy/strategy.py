@@ -22,6 +22,7 @@ multi-worker is confined to a few hooks:
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import weakref
@@ -32,6 +33,7 @@ from tensorflow.python.distribute import distribute_lib, input_util, one_device_
 
 from ..errors import ConfigError
 from ..streaming import Channel, Collective, exchange
+from ..timeline import Timeline, timeline_dir_from_env
 
 __all__ = ["HostStrategy"]
 
@@ -75,6 +77,10 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         self._variable_device = "/CPU:0" if host.variables_on_host else self._device
         self._names = _Names()
         self._channel: Channel | None = None
+        # HOSTREDUCE_TIMELINE=DIR: each worker's hand-offs and reductions, written at exit
+        self.timeline = Timeline(timeline_dir_from_env(), rank=int(host.rank))
+        if self.timeline.enabled:
+            atexit.register(self.timeline.flush)
 
     # -- the job -------------------------------------------------------------------
     @property
@@ -89,7 +95,8 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
             # The engine fails a collective after timeout_s naming the cause; the
             # hand-off's own limit is a backstop behind it.
             timeout = (host._config or Config.from_env()).timeout_s * 2 + 30.0
-            self._channel = Channel(lambda: host.reducer, host.ordered_submission, timeout_s=timeout)
+            self._channel = Channel(lambda: host.reducer, host.ordered_submission, self.timeline,
+                                    timeout_s=timeout)
             host.reducer  # start the engine here, on the tracing (or eager) thread
         return self._channel
 

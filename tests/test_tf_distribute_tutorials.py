@@ -1,0 +1,161 @@
+"""TensorFlow's multi-worker tutorials with the strategy line swapped for a hostreduce
+strategy (``tests/tfd_workers/``: same calls, same order, local data), on 2 workers under
+``hostreduce run`` and by hand with ``TF_CONFIG``, on Keras 3 and under
+``TF_USE_LEGACY_KERAS=1``: every worker exits 0, the loss falls, every worker ends with
+the same weights. And ``fit`` in a strategy's scope equals one process training on the
+global batch, with each gradient's reduction started while the backward pass runs.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.mpi_workers.mpi_launch import mpi_skip_reason
+from tests.script_jobs import Worker, base_env, run_by_hand, run_launcher, run_mpirun
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+WORKERS = Path(__file__).resolve().parent / "tfd_workers"
+TIMEOUT = 240.0
+_DIGEST = re.compile(r"RESULT rank (\d)/2: weights=([0-9a-f]+)")
+_MPI_SKIP = mpi_skip_reason()
+KERASES = [pytest.param("0", id="keras3"), pytest.param("1", id="tf_keras")]
+
+
+def _env(legacy: str, **extra: str) -> dict[str, str]:
+    return base_env(TF_USE_LEGACY_KERAS=legacy, **extra)
+
+
+def _same_weights(output: str) -> None:
+    digests = dict(_DIGEST.findall(output))
+    assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], output[-4000:]
+
+
+def _values(output: str, tag: str) -> list:
+    return [json.loads(line.split(tag, 1)[1]) for line in output.splitlines() if tag in line]
+
+
+def _launched(worker: Worker) -> str:
+    assert worker.returncode == 0, worker.output[-6000:]
+    return worker.output
+
+
+def _by_hand(workers: list[Worker]) -> str:
+    for rank, worker in enumerate(workers):
+        assert worker.returncode == 0, f"worker {rank}:\n{worker.output[-6000:]}"
+    return "".join(w.output for w in workers)
+
+
+@pytest.mark.parametrize("legacy", KERASES)
+def test_keras_tutorial(tmp_path: Path, legacy: str) -> None:
+    """``fit`` on the global batch in the scope, saving the model and a checkpoint the
+    tutorial's way (non-chief workers to temporary paths), restoring, ``fit`` again, then
+    ``BackupAndRestore`` (the chief alone writes the backup)."""
+    output = _launched(run_launcher(WORKERS / "keras_main.py", ["2", "12", str(tmp_path)], env=_env(legacy),
+                                    timeout=TIMEOUT))
+    _same_weights(output)
+    losses = _values(output, "LOSSES")
+    assert len(losses) == 2 and all(run[-1] < run[0] for run in losses), losses
+    saved = tmp_path / ("keras-model" if legacy == "1" else "keras-model.keras")
+    assert saved.exists() and (tmp_path / "ckpt" / "checkpoint").exists()
+    assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").iterdir())  # removed at the end
+
+
+def test_keras_tutorial_by_hand(tmp_path: Path) -> None:
+    _same_weights(_by_hand(run_by_hand(WORKERS / "keras_main.py", ["1", "12", str(tmp_path)], env=_env("0"),
+                                       timeout=TIMEOUT)))
+
+
+@pytest.mark.parametrize("legacy", KERASES)
+def test_custom_loop_tutorial(tmp_path: Path, legacy: str) -> None:
+    """``distribute_datasets_from_function``, ``strategy.run``, ``strategy.reduce`` and the
+    tutorial's checkpoints: the chief's in ``ckpt``, the other worker's written to a
+    temporary directory and removed."""
+    output = _launched(run_launcher(WORKERS / "ctl_main.py", ["2", "8", str(tmp_path)], env=_env(legacy),
+                                    timeout=TIMEOUT))
+    _same_weights(output)
+    losses = _values(output, "LOSSES")
+    assert len(losses) == 2 and losses[0] == losses[1] and losses[0][-1] < losses[0][0], losses  # a global sum
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(str(tmp_path / "ckpt"))
+    assert latest is not None and int(tf.train.load_checkpoint(latest).get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE")) == 1
+    assert not list(tmp_path.glob("workertemp_*/ckpt"))
+
+
+def test_custom_loop_tutorial_by_hand(tmp_path: Path) -> None:
+    _same_weights(_by_hand(run_by_hand(WORKERS / "ctl_main.py", ["1", "6", str(tmp_path)], env=_env("0"),
+                                       timeout=TIMEOUT)))
+
+
+@pytest.mark.parametrize("legacy", KERASES)
+def test_estimator_tutorial(tmp_path: Path, legacy: str) -> None:
+    """TF1 graph mode, ``GradientDescentOptimizer.minimize(loss, get_or_create_global_step())``
+    inside ``model_fn``: the gradients are averaged over the workers and applied on the
+    host; the data ends after one pass on each worker (12 batches of 64 of 750 rows)."""
+    output = _launched(run_launcher(WORKERS / "estimator_main.py", [str(tmp_path / "model"), "40", "0.1"],
+                                    env=_env(legacy), timeout=TIMEOUT))
+    _same_weights(output)
+    evals = _values(output, "EVAL")
+    assert len(evals) == 2 and evals[0] == evals[1], evals
+    assert evals[0]["global_step"] == 12 and evals[0]["loss"] < 2.0, evals  # untrained: about ln 10 = 2.3
+
+
+def test_estimator_tutorial_by_hand(tmp_path: Path) -> None:
+    _same_weights(_by_hand(run_by_hand(WORKERS / "estimator_main.py", [str(tmp_path / "model"), "6", "0.1"],
+                                       env=_env("0"), timeout=TIMEOUT)))
+
+
+def _reference(optimizer: str) -> list[np.ndarray]:
+    from tests.tfd_workers.fit_model import EPOCHS, build, data
+
+    model = build(optimizer, seed=100)  # rank 0's seed: the scope starts every worker from rank 0's weights
+    model.fit(data(), epochs=EPOCHS, verbose=0)
+    return model.get_weights()
+
+
+def _check_fit(out: Path, optimizer: str) -> None:
+    reference = _reference(optimizer)
+    ranks = [np.load(out / f"weights-rank{r}.npz") for r in range(2)]
+    for i, expected in enumerate(reference):
+        got = [rank[f"arr_{i}"] for rank in ranks]
+        np.testing.assert_array_equal(got[0], got[1])
+        # relative to the tensor's largest value (Adam's step amplifies rounding in its
+        # near-zero entries; the sums run in another order than one process's)
+        error = float(np.abs(got[0] - expected).max()) / float(np.abs(expected).max())
+        assert error <= 1e-5, f"weight {i}: relative difference {error:.2e}"
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_fit_in_scope_equals_one_process_on_the_global_batch_and_streams(tmp_path: Path, optimizer: str) -> None:
+    worker = run_launcher(WORKERS / "fit_worker.py", ["ring", optimizer, str(tmp_path)],
+                          env=base_env(HOSTREDUCE_TIMELINE=str(tmp_path)), timeout=TIMEOUT)
+    _launched(worker)
+    _check_fit(tmp_path, optimizer)
+    # Streaming: in every training step, the first reduction starts before the last
+    # gradient (the first layer's) is handed off, i.e. while the backward pass runs.
+    for rank in range(2):
+        events = json.loads((tmp_path / f"timeline-rank{rank}.json").read_text())["traceEvents"]
+        spans = [e for e in events if e.get("ph") == "X" and ".allreduce." in e["name"] and ".eager." not in e["name"]]
+        handoffs = sorted((e for e in spans if e["cat"] == "handoff"), key=lambda e: e["ts"])
+        reductions = sorted((e for e in spans if e["cat"] == "reduce"), key=lambda e: e["ts"])
+        per_step = 2 * 7  # kernel and bias of 7 layers
+        assert len(handoffs) >= 8 * per_step, len(handoffs)
+        overlapped = 0
+        for k in range(len(handoffs) // per_step):
+            group = handoffs[k * per_step:(k + 1) * per_step]
+            first_reduction = min((r["ts"] for r in reductions if r["ts"] >= group[0]["ts"]), default=None)
+            overlapped += first_reduction is not None and first_reduction < group[-1]["ts"]
+        assert overlapped >= len(handoffs) // per_step - 1, f"rank {rank}: {overlapped} steps overlapped"
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
+def test_fit_in_scope_under_mpirun(tmp_path: Path) -> None:
+    """The same with ``hostreduce.HorovodStrategy()`` under ``mpirun`` (the MPI engine)."""
+    _launched(run_mpirun(WORKERS / "fit_worker.py", ["mpi", "Adam", str(tmp_path)], timeout=TIMEOUT))
+    _check_fit(tmp_path, "Adam")

@@ -1,0 +1,25 @@
+"""``model.fit`` inside a hostreduce strategy's ``scope()``: a deep MLP on global batches
+of a made-up regression, then each worker saves its weights (``OUT/weights-rank<R>.npz``)
+and its first epoch's loss. The model is built with a seed that differs per worker, so
+equal weights at the end also show that the scope starts every worker from rank 0's.
+
+Run: ``hostreduce run -np 2 -- python fit_worker.py ring|mpi SGD|Adam OUT`` (``mpi``:
+``HorovodStrategy`` under ``mpirun``).
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+import hostreduce
+from tests.tfd_workers.fit_model import EPOCHS, build, data
+
+ENGINE, OPTIMIZER, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+strategy = hostreduce.MultiWorkerStrategy() if ENGINE == "ring" else hostreduce.HorovodStrategy(reducer=ENGINE)
+
+with strategy.scope():
+    model = build(OPTIMIZER, seed=100 + strategy.rank)
+history = model.fit(data(), epochs=EPOCHS, verbose=0)
+np.savez(os.path.join(OUT, f"weights-rank{strategy.rank}.npz"), *model.get_weights())
+print("LOSSES", json.dumps(history.history["loss"]), flush=True)
