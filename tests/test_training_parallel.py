@@ -47,6 +47,22 @@ def test_ring_two_workers_match_one_process(reference: dict) -> None:
     _assert_apply_once_is_identical(results[0])
 
 
+def test_updates_made_inside_model_fn_average_over_the_ring() -> None:
+    """``tf.estimator`` habits: a Keras optimizer's ``apply_gradients`` and a TF1
+    optimizer's ``minimize(loss, get_or_create_global_step())`` as ``train_op`` inside
+    ``model_fn``. With two workers the update runs on the host after the all-reduce, and
+    the result equals one process that made the update in place on the global batch."""
+    from hostreduce.testing import run_ranks
+
+    runs = ["sgd+keras_apply", "adam+tf1_minimize"]
+    expected = {run: common.train_weights(None, run, STEPS) for run in runs}
+    results = run_ranks(common.ring_rank, 2, args=(runs, STEPS, False), timeout=150)
+    for run in runs:
+        for rank in range(2):
+            _assert_same(expected[run], results[rank][run], f"ring rank {rank} ({run})")
+    assert int(results[0]["adam+tf1_minimize"]["global_step"]) == STEPS
+
+
 def _assert_apply_once_is_identical(runs: dict) -> None:
     for opt in OPTIMIZERS:
         per_gradient, once = runs[opt], runs[f"{opt}@once"]

@@ -34,7 +34,7 @@ import threading
 from typing import Any, Iterator
 
 from ..errors import ConfigError, SpecError
-from .kerases import underlying_variable
+from .kerases import loaded_kerases, underlying_variable
 from .patch import routed
 from .gradients import gradients_or_none, recorded_variables
 
@@ -77,6 +77,9 @@ def tf1_optimizer_scope(place: str, workers: int = 1) -> Iterator[_Context]:
                 stack.enter_context(routed(train.Optimizer, name, route))
             for name in ("get_global_step", "get_or_create_global_step", "create_global_step"):
                 stack.enter_context(routed(train, name, _global_step))
+            if place == MODEL_FN and workers > 1:  # a Keras optimizer's update, too, runs on the host
+                for package in loaded_kerases():
+                    stack.enter_context(routed(package.optimizers.Optimizer, "apply_gradients", _keras_apply))
             yield context
     finally:
         _local.context = previous
@@ -170,24 +173,43 @@ def _apply_on_host(optimizer: Any, grads_and_vars: Any, global_step: Any, name: 
     pass produces them, averaged over the workers, and the update runs on the host, as
     an explicit ``host_call`` would (the Estimator takes this one when ``model_fn``
     gave none). What ``model_fn`` gets back is a no-op standing for the update."""
+    variables, grads = _left_for_host(optimizer, grads_and_vars)
+
+    def apply(*reduced: Any) -> Any:
+        return optimizer.apply_gradients(list(zip(reduced, variables)), global_step, name, *args, **kwargs)
+
+    return _record(apply, grads)
+
+
+def _keras_apply(original: Any, self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+    """A Keras optimizer's ``apply_gradients`` inside ``model_fn`` with several workers:
+    left for the host as :func:`_apply_on_host` does (its other arguments go with it)."""
+    variables, grads = _left_for_host(self, grads_and_vars)
+
+    def apply(*reduced: Any) -> Any:
+        return self.apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
+
+    return _record(apply, grads)
+
+
+def _left_for_host(optimizer: Any, grads_and_vars: Any) -> tuple[list[Any], list[Any]]:
     import tensorflow as tf
 
-    context = _context()
-    if context.host_call is not None:
+    if _context().host_call is not None:
         raise SpecError(f"`{type(optimizer).__name__}.apply_gradients` (or `minimize`) was called twice inside "
                         f"`model_fn`: with several workers one update per step can run on the host. {_HOST_CALL_HINT}")
     pairs = [(grad, var) for grad, var in grads_and_vars if grad is not None]
     if not pairs:
         raise SpecError("`grads_and_vars` has no gradient: no variable is connected to the loss.")
-    variables = [var for _, var in pairs]
-    for variable in variables:
+    for _, variable in pairs:
         _tf_variable(variable, "grads_and_vars")
-    grads = [tf.convert_to_tensor(grad) for grad, _ in pairs]  # a tf.IndexedSlices is reduced dense
+    return [var for _, var in pairs], [tf.convert_to_tensor(grad) for grad, _ in pairs]  # IndexedSlices: dense
 
-    def apply(*reduced: Any) -> Any:
-        return optimizer.apply_gradients(list(zip(reduced, variables)), global_step, name, *args, **kwargs)
 
-    context.host_call = (apply, grads)
+def _record(apply: Any, grads: list[Any]) -> Any:
+    import tensorflow as tf
+
+    _context().host_call = (apply, grads)
     return tf.no_op(name="update_on_host")
 
 

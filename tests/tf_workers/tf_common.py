@@ -73,9 +73,16 @@ def mlp_model_fn(features: Any, labels: Any, mode: str, params: dict) -> Any:
     if mode == ModeKeys.PREDICT:
         return EstimatorSpec(mode, predictions={"classes": tf.argmax(logits, axis=1)})
     loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+    if mode == ModeKeys.TRAIN and params.get("update") == "tf1_minimize":  # tf.estimator's habit
+        optimizer = tf.compat.v1.train.AdamOptimizer(1e-2)
+        return EstimatorSpec(mode, loss=loss,
+                             train_op=optimizer.minimize(loss, tf.compat.v1.train.get_or_create_global_step()))
     if mode == ModeKeys.TRAIN:
         optimizer = make_optimizer(params.get("optimizer", "sgd"))
         grads = compute_gradients(loss, model.trainable_variables)
+        if params.get("update") == "keras_apply":  # the update made in model_fn itself
+            return EstimatorSpec(mode, loss=loss,
+                                 train_op=optimizer.apply_gradients(zip(grads, model.trainable_variables)))
 
         def host_model_fn(*grads: Any) -> None:
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -98,10 +105,11 @@ def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | No
     from hostreduce.estimator import Estimator, RunConfig
 
     optimizer, _, host_apply = optimizer.partition("@")
+    optimizer, _, update = optimizer.partition("+")  # "+keras_apply", "+tf1_minimize": the update in model_fn
     keras.utils.set_random_seed(1234)  # rank 0's initial weights equal the reference run's
     config = RunConfig(train_distribute=strategy, model_dir=model_dir, save_checkpoints_steps=save_every,
                        log_step_count_steps=None, timeline_dir=timeline_dir, host_apply=host_apply or "per_gradient")
-    est = Estimator(mlp_model_fn, config=config, params={"optimizer": optimizer, "depth": depth})
+    est = Estimator(mlp_model_fn, config=config, params={"optimizer": optimizer, "depth": depth, "update": update})
     ran = []
     hooks = [lambda step, loss: ran.append(step)]
     if kill_at is not None:
@@ -120,12 +128,14 @@ def train_weights(strategy: Any, optimizer: str, steps: int, model_dir: str | No
     return weights
 
 
-def ring_rank(rank: int, world_size: int, optimizers: list[str], steps: int) -> dict[str, dict[str, np.ndarray]]:
+def ring_rank(rank: int, world_size: int, optimizers: list[str], steps: int, uneven: bool = True
+              ) -> dict[str, dict[str, np.ndarray]]:
     """Entry point for ``run_ranks``: MultiWorkerStrategy over the ring (TF_CONFIG)."""
     from hostreduce.strategies import MultiWorkerStrategy
 
     results = {opt: train_weights(MultiWorkerStrategy(), opt, steps) for opt in optimizers}
-    results["uneven_steps"] = uneven_data_steps(MultiWorkerStrategy(), 3 + 2 * rank)
+    if uneven:
+        results["uneven_steps"] = uneven_data_steps(MultiWorkerStrategy(), 3 + 2 * rank)
     return results
 
 
