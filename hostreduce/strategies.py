@@ -62,6 +62,11 @@ class Strategy:
         self._reducer: Any = None
         self._lock = threading.Lock()
 
+    @property
+    def config(self) -> Any:
+        """The engine's ``hostreduce.config.Config`` as given (None: from ``HOSTREDUCE_*``)."""
+        return self._config
+
     # -- cluster ---------------------------------------------------------------
     def _resolve_cluster(self) -> Any:
         from .cluster import ClusterSpec

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"ps"},
     {"streaming"},
     {"host"},
-    {"ps_training"},
+    {"ps_training", "tf_strategy"},
     {"strategies"},
     {"estimator", "ops"},
     {"horovod", "tf_adapter"},

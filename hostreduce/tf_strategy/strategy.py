@@ -94,7 +94,7 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
             host = self._host
             # The engine fails a collective after timeout_s naming the cause; the
             # hand-off's own limit is a backstop behind it.
-            timeout = (host._config or Config.from_env()).timeout_s * 2 + 30.0
+            timeout = (host.config or Config.from_env()).timeout_s * 2 + 30.0
             self._channel = Channel(lambda: host.reducer, host.ordered_submission, self.timeline,
                                     timeout_s=timeout)
             host.reducer  # start the engine here, on the tracing (or eager) thread
