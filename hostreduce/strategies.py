@@ -246,14 +246,24 @@ class MultiWorkerStrategy(_DistributeSurface, Strategy):
             and only the reduction runs on the host.
         config: a ``hostreduce.config.Config`` for the ring (default: from
             ``HOSTREDUCE_*`` variables).
+        communication_options: ``MultiWorkerMirroredStrategy``'s argument, accepted so
+            that its scripts run unchanged; the ring's settings come from ``config``.
+
+    The ``tf.distribute.Strategy`` methods (``scope``, ``run``, ``reduce``, distributed
+    datasets) make it a drop-in for ``tf.distribute.MultiWorkerMirroredStrategy()``
+    (``docs/guides/tf_distribute.md``).
     """
 
     reducer_name = "ring"
     ordered_submission = False
 
-    def __init__(self, cluster_resolver: Any = None, variables_on_host: bool = True, config: Any = None) -> None:
+    def __init__(self, cluster_resolver: Any = None, variables_on_host: bool = True, config: Any = None,
+                 communication_options: Any = None) -> None:
         super().__init__(variables_on_host=variables_on_host, config=config)
         self.cluster_resolver = cluster_resolver
+        if communication_options is not None:  # tf.distribute.MultiWorkerMirroredStrategy's argument
+            logger.info("MultiWorkerStrategy: communication_options=%r is not used: the ring reduces in host "
+                        "memory, its fusion and timeout from hostreduce's Config", communication_options)
 
     def _resolve_cluster(self) -> Any:
         from .cluster import cluster_from_resolver, resolve_cluster

@@ -92,7 +92,8 @@ def end_to_end(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Pat
     model's hidden layers narrowed (1792 -> 128, still 8 of them): the smoke run checks
     the pipeline and the results file, not the throughput of 26M parameters."""
     out = tmp_path_factory.mktemp("e2e")
-    proc = _run("end_to_end.py", out, 260, "--impl", "ring,tf,keras-ring,keras-tf", "--large-hidden", "128")
+    proc = _run("end_to_end.py", out, 260, "--impl", "ring,tf,keras-ring,keras-scope,keras-tf", "--large-hidden",
+                "128")
     return json.loads((out / "end_to_end.json").read_text()), proc.stdout, out
 
 
@@ -103,7 +104,7 @@ def test_end_to_end_quick_writes_every_field(end_to_end: tuple) -> None:
         assert key in result, key
     env = result["environment"]
     assert env["loadavg_at_start"] and env["loadavg_at_end"] and env["versions"]["tensorflow"]
-    assert result["settings"]["impls"] == ["ring", "tf", "keras-ring", "keras-tf"]
+    assert result["settings"]["impls"] == ["ring", "tf", "keras-ring", "keras-scope", "keras-tf"]
     assert result["settings"]["np"] == [2]
     assert result["settings"]["models"] == ["mnist", "large"] and result["settings"]["plan"]["large_hidden"] == 128
     batches = result["settings"]["plan"]["batch"]["loopback"]
@@ -127,16 +128,18 @@ def test_end_to_end_quick_writes_every_field(end_to_end: tuple) -> None:
 
 @pytest.mark.timeout(300)
 def test_end_to_end_quick_keras_fit_rows(end_to_end: tuple) -> None:
-    """model.fit under hostreduce's ring and under MultiWorkerMirroredStrategy (Keras 3,
-    or tf_keras where Keras 3's fit fails under it): rows, baselines, the ratio, and
-    equal weights on every rank (the gradients were reduced)."""
+    """model.fit under hostreduce's ring (Horovod-style wrapper, and in the strategy's
+    scope) and under MultiWorkerMirroredStrategy (Keras 3, or tf_keras where Keras 3's fit
+    fails under it): rows, baselines, the ratios, and equal weights on every rank (the
+    gradients were reduced)."""
     result, stdout, _ = end_to_end
     paths = result["settings"]["plan"]["paths"]
     assert "fit" in paths and "fit-tf_keras" in paths
     batch = result["settings"]["plan"]["batch"]["loopback"]["mnist"]
     rows = {r["impl"]: r for r in result["measurements"]
-            if r["impl"] in ("keras-ring", "keras-tf") and r["model"] == "mnist"}
-    assert set(rows) == {"keras-ring", "keras-tf"}
+            if r["impl"] in ("keras-ring", "keras-scope", "keras-tf") and r["model"] == "mnist"}
+    assert set(rows) == {"keras-ring", "keras-scope", "keras-tf"}
+    assert rows["keras-scope"]["path"] == "fit" and rows["keras-scope"]["keras"].startswith("keras 3")
     assert rows["keras-ring"]["path"] == "fit" and rows["keras-ring"]["keras"].startswith("keras 3")
     tf_row = rows["keras-tf"]
     # tf_keras only where Keras 3 failed, and then the failure is recorded.
@@ -153,3 +156,5 @@ def test_end_to_end_quick_keras_fit_rows(end_to_end: tuple) -> None:
     (ratio,) = [x for x in result["ratios"] if x["what"].startswith("keras-ring / keras-tf") and x["model"] == "mnist"]
     assert ratio["value"] == pytest.approx(rows["keras-ring"]["examples_per_s"] / tf_row["examples_per_s"], rel=1e-2)
     assert "keras-ring / keras-tf" in stdout
+    assert {"keras-scope / keras-ring", "keras-scope / keras-tf"} <= {
+        x["what"].split(" (")[0] for x in result["ratios"] if x["model"] == "mnist"}

@@ -159,3 +159,24 @@ def test_fit_in_scope_under_mpirun(tmp_path: Path) -> None:
     """The same with ``hostreduce.HorovodStrategy()`` under ``mpirun`` (the MPI engine)."""
     _launched(run_mpirun(WORKERS / "fit_worker.py", ["mpi", "Adam", str(tmp_path)], timeout=TIMEOUT))
     _check_fit(tmp_path, "Adam")
+
+
+def test_parameter_server_tutorial_fit(tmp_path: Path) -> None:
+    """The tutorial's ``fit`` on ``hostreduce.ParameterServerStrategy`` (2 ps, 2 workers,
+    Keras 3): compiled in the scope, the optimizer's state lives on the ps; TensorBoard,
+    ``ModelCheckpoint`` and ``BackupAndRestore`` as the tutorial writes them (the chief
+    alone writes the files); every task exits 0 (the launcher's status: the ps tasks'
+    too)."""
+    output = _launched(run_launcher(WORKERS / "ps_main.py", ["3", "10", str(tmp_path)], env=_env("0"),
+                                    timeout=TIMEOUT, extra=["--ps", "2"]))
+    _same_weights(output)
+    losses = _values(output, "LOSSES")
+    assert len(losses) == 2 and all(run[-1] < run[0] for run in losses), losses
+    assert (tmp_path / "ckpt.keras").exists() and any((tmp_path / "log").rglob("*tfevents*"))
+
+
+def test_parameter_server_tutorial_on_tf_keras_is_refused_by_name(tmp_path: Path) -> None:
+    worker = run_launcher(WORKERS / "ps_main.py", ["1", "2", str(tmp_path)], env=_env("1"), timeout=TIMEOUT,
+                          extra=["--ps", "2"])
+    assert worker.returncode != 0
+    assert "ParameterServerStrategy trains Keras 3 models" in worker.output and "TF_USE_LEGACY_KERAS=1" in worker.output

@@ -40,6 +40,10 @@ class _StrategyState:
     def __init__(self) -> None:
         self.exchange: Any = None
         self.lookups: contextlib.ExitStack | None = None
+        # models compiled in the scope, and the routing of Keras's file-writing callbacks
+        # for them (the chief alone writes), kept for the life of the process
+        self.models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.callbacks: contextlib.ExitStack | None = None
 
 
 _states: "weakref.WeakKeyDictionary[Any, _StrategyState]" = weakref.WeakKeyDictionary()
@@ -230,7 +234,7 @@ def variable_scope(strategy: Any) -> Iterator[None]:
 
     store = VariableStore(on_host=True)
     shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes)
-    with store.scope():
+    with store.scope(), _compiled_for(strategy):
         yield
     caches = row_caches(store)
     for cache in caches.values():  # traced before the optimizer connects the job
@@ -241,6 +245,57 @@ def variable_scope(strategy: Any) -> Iterator[None]:
         # take reads a variable whole): kept for the life of the process, on this thread.
         state.lookups = contextlib.ExitStack()
         state.lookups.enter_context(_take_rows())
+
+
+@contextlib.contextmanager
+def _compiled_for(strategy: Any) -> Iterator[None]:
+    """``model.compile(optimizer, ...)`` in the block, as TensorFlow's
+    ``ParameterServerStrategy`` scripts write it: the optimizer becomes
+    ``strategy.keras_optimizer(optimizer)`` (on a ps task: serve until the chief ends
+    the job), and ``jit_compile="auto"`` becomes False (the step's host op is not XLA's).
+    A tf_keras model compiled here is refused: its updates would stay on the worker."""
+    from ..host.kerases import loaded_kerases
+    from ..host.patch import routed
+
+    def keras3_compile(original: Any, model: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
+        import keras
+
+        if not hasattr(optimizer, "_hostreduce_exchange"):
+            optimizer = keras_optimizer(strategy, keras.optimizers.get(optimizer))
+        if kwargs.get("jit_compile", "auto") == "auto" and len(args) < 7:
+            kwargs["jit_compile"] = False
+        _files_from_the_chief(strategy, model)
+        return original(model, optimizer, *args, **kwargs)
+
+    def tf_keras_compile(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("hostreduce.ParameterServerStrategy trains Keras 3 models (their optimizer's state lives on "
+                          "the ps); this model is a tf_keras one (TF_USE_LEGACY_KERAS=1). Run the script on Keras 3, "
+                          "or train through the Estimator. Received: a tf_keras model compiled in strategy.scope()")
+
+    with contextlib.ExitStack() as stack:
+        for package in loaded_kerases():
+            if package.__name__ == "keras":
+                from keras.src.trainers.trainer import Trainer
+
+                stack.enter_context(routed(Trainer, "compile", keras3_compile))
+            else:
+                stack.enter_context(routed(package.Model, "compile", tf_keras_compile))
+        yield
+
+
+def _files_from_the_chief(strategy: Any, model: Any) -> None:
+    """Keras's ``BackupAndRestore`` and ``ModelCheckpoint`` of ``model`` write from the
+    chief alone (every worker holds the ps's values): ``hostreduce/host/keras_files.py``."""
+    from ..host import keras_files
+
+    state = _state(strategy)
+    state.models.add(model)
+    if state.callbacks is None:
+        def barrier() -> None:
+            if strategy.sync and strategy.size > 1:  # sync jobs' training tasks form a ring
+                strategy.reducer.barrier(strategy.timeout_s)
+
+        state.callbacks = keras_files.install(lambda m: m in state.models, lambda: bool(strategy.is_chief), barrier)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
 
 from ..errors import ConfigError
+from ..host import keras_files
 from ..streaming import Channel, Collective, exchange
 from ..timeline import Timeline, timeline_dir_from_env
 
@@ -272,9 +273,12 @@ class HostStrategy(tf.distribute.OneDeviceStrategy):
         # OneDeviceStrategy's own __init__ builds its extended; this one builds ours.
         distribute_lib.Strategy.__init__(self, _HostExtended(self, host))
         self.host_strategy = host
-        from .keras_files import install
+        self._keras_routes = keras_files.install(self._owns, lambda: bool(host.is_chief), self.extended.barrier,
+                                                 tf_keras_strategy=type(self))
 
-        self._keras_routes = install(self)
+    def _owns(self, model: Any) -> bool:
+        strategy = getattr(model, "_distribute_strategy", None) or getattr(model, "_distribution_strategy", None)
+        return strategy is self
 
     @property
     def cluster_resolver(self) -> Any:
