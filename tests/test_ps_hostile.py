@@ -91,8 +91,13 @@ def test_held_calls_garbage_and_unknown_methods_leave_a_sync_job_undisturbed(cap
         cluster.stop_and_join()
     assert got == expected
     # Every held call was refused at once, without its request: none was left to time out.
-    assert set(ended) == {"Push UNAUTHENTICATED", "PullRows UNAUTHENTICATED", "Shutdown UNAUTHENTICATED",
-                          "Register UNAUTHENTICATED", "Hello INVALID_ARGUMENT", "Login UNAUTHENTICATED"}, ended
+    # (On a machine loaded enough, a few of the 2 x 200 connections are not set up in
+    # time and end UNAVAILABLE on the stranger's side: never a call the ps let through.)
+    dropped = sum(n for what, n in ended.items() if what.endswith(" UNAVAILABLE"))
+    answered = {what for what in ended if not what.endswith(" UNAVAILABLE")}
+    assert answered == {"Push UNAUTHENTICATED", "PullRows UNAUTHENTICATED", "Shutdown UNAUTHENTICATED",
+                        "Register UNAUTHENTICATED", "Hello INVALID_ARGUMENT", "Login UNAUTHENTICATED"}, ended
+    assert dropped <= HELD_PER_PS // 20, ended
     assert sum(ended.values()) == 2 * HELD_PER_PS
     said = [r.getMessage() for r in caplog.records if r.name == "hostreduce.ps"]
     for kind in ("call without a valid session", "malformed handshake", "invalid rank", "unknown method"):
