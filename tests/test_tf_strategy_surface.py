@@ -47,6 +47,8 @@ def test_distributed_datasets(seen: list[dict]) -> None:
     # Global batches [0..3], [4..7], [8, 9]: each rank takes its half of every batch.
     assert seen[0]["sliced"] == [[0, 1], [4, 5], [8]]
     assert seen[1]["sliced"] == [[2, 3], [6, 7], [9]]
+    for out in seen:  # handed on (to fit, which distributes what it gets): not sliced again
+        assert out["twice"] == out["sliced"]
     for rank, out in enumerate(seen):
         assert out["contexts"] == [(2, rank, 2, 4)]
         assert out["from_function"] == [[float(v) for v in range(rank, 10, 2)][i:i + 4] for i in (0, 4)]

@@ -18,7 +18,9 @@ multi-worker is confined to a few hooks:
 * datasets given to ``experimental_distribute_dataset`` are global batches: each
   worker takes its slice of every batch (TensorFlow's ``AutoShardPolicy.DATA``, the
   policy for in-memory data), so every worker has as many steps as the others and the
-  workers' slices of a step make up its global batch.
+  workers' slices of a step make up its global batch; the result, like
+  ``distribute_datasets_from_function``'s, is a plain ``tf.data.Dataset`` of this
+  worker's batches.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import weakref
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, input_util, one_device_strategy
+from tensorflow.python.distribute import distribute_lib, one_device_strategy
 
 from ..errors import ConfigError
 from ..host import keras_files
@@ -183,8 +185,23 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         return tf.transpose(gathered, [perm.index(i) for i in range(len(perm))])
 
     # -- input ---------------------------------------------------------------------
+    # One replica per worker: a worker's "distributed" dataset is a plain tf.data.Dataset
+    # of its own batches (TensorFlow's input_lib wrapping, PerReplica values and their
+    # per-step cost buy nothing with one replica). It is marked, so that handing it on to
+    # fit (which distributes what it is given) does not slice it a second time.
+    _WORKER_DATASET = "_hostreduce_worker_dataset"
+
     def _experimental_distribute_dataset(self, dataset: Any, options: Any) -> Any:
-        return super()._experimental_distribute_dataset(self._slice_batches(dataset), options)
+        if getattr(dataset, self._WORKER_DATASET, False):
+            return dataset
+        return self._mark(self._slice_batches(dataset))
+
+    def _mark(self, dataset: Any) -> Any:
+        if not isinstance(dataset, tf.data.Dataset):
+            raise ConfigError("The dataset function must return a tf.data.Dataset. Received: "
+                              f"{type(dataset).__name__} {dataset!r:.80}")
+        setattr(dataset, self._WORKER_DATASET, True)
+        return dataset
 
     def _slice_batches(self, dataset: Any) -> Any:
         workers, rank = self._workers, int(self._host.rank)
@@ -207,9 +224,8 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         return dataset.map(piece, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def _distribute_datasets_from_function(self, dataset_fn: Any, options: Any) -> Any:
-        return input_util.get_distributed_datasets_from_function(
-            dataset_fn, self._input_workers_with_options(options), [self._input_context()],
-            self._container_strategy(), options=options)
+        with tf.device(self._input_device):
+            return self._mark(dataset_fn(self._input_context()))
 
     def _input_context(self) -> Any:
         workers = self._workers

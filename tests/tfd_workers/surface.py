@@ -47,6 +47,8 @@ def surface_rank(rank: int, world_size: int) -> dict[str, Any]:
     dataset = tf.data.Dataset.from_tensor_slices(rows).batch(4)  # batches of 4, 4, 2
     out["sliced"] = [np.asarray(b.values[0] if hasattr(b, "values") else b).tolist()
                      for b in strategy.experimental_distribute_dataset(dataset)]
+    once = strategy.experimental_distribute_dataset(dataset)
+    out["twice"] = [np.asarray(b).tolist() for b in strategy.experimental_distribute_dataset(once)]
     contexts = []
 
     def dataset_fn(context: Any) -> Any:
