@@ -143,6 +143,12 @@ class _DistributeSurface:
 
     _tf_strategy: Any = None
     _cluster_resolver: Any = None
+    #: Keras 3 SGD and Adam made in ``scope()`` update with TensorFlow's fused CPU kernels
+    #: (one pass over each variable, as the Horovod-style wrapper and the Estimator's host
+    #: apply do); False keeps Keras's own update ops, whose rounding one process on the
+    #: global batch reproduces to 1e-5 (the fused Adam differs by rounding, which Adam's
+    #: normalized step can grow to a few 1e-5 over a few steps).
+    fused_apply: bool = True
 
     @property
     def tf_strategy(self) -> Any:
@@ -248,6 +254,8 @@ class MultiWorkerStrategy(_DistributeSurface, Strategy):
             ``HOSTREDUCE_*`` variables).
         communication_options: ``MultiWorkerMirroredStrategy``'s argument, accepted so
             that its scripts run unchanged; the ring's settings come from ``config``.
+        fused_apply: in ``scope()``, Keras 3 SGD and Adam update with fused CPU kernels
+            (the default, as hostreduce's other faces); False: Keras's own update ops.
 
     The ``tf.distribute.Strategy`` methods (``scope``, ``run``, ``reduce``, distributed
     datasets) make it a drop-in for ``tf.distribute.MultiWorkerMirroredStrategy()``
@@ -258,9 +266,10 @@ class MultiWorkerStrategy(_DistributeSurface, Strategy):
     ordered_submission = False
 
     def __init__(self, cluster_resolver: Any = None, variables_on_host: bool = True, config: Any = None,
-                 communication_options: Any = None) -> None:
+                 communication_options: Any = None, fused_apply: bool = True) -> None:
         super().__init__(variables_on_host=variables_on_host, config=config)
         self.cluster_resolver = cluster_resolver
+        self.fused_apply = _check_bool("fused_apply", fused_apply)
         if communication_options is not None:  # tf.distribute.MultiWorkerMirroredStrategy's argument
             logger.info("MultiWorkerStrategy: communication_options=%r is not used: the ring reduces in host "
                         "memory, its fusion and timeout from hostreduce's Config", communication_options)
@@ -284,12 +293,15 @@ class HorovodStrategy(_DistributeSurface, Strategy):
             set); otherwise Horovod is tried first and MPI is used when Horovod cannot
             be loaded (every rank decides alike, since every rank has the same
             installation).
+        fused_apply: as for :class:`MultiWorkerStrategy`.
     """
 
     ordered_submission = True
 
-    def __init__(self, variables_on_host: bool = True, config: Any = None, reducer: str | None = None) -> None:
+    def __init__(self, variables_on_host: bool = True, config: Any = None, reducer: str | None = None,
+                 fused_apply: bool = True) -> None:
         super().__init__(variables_on_host=variables_on_host, config=config)
+        self.fused_apply = _check_bool("fused_apply", fused_apply)
         if reducer not in (None, "horovod", "mpi"):
             raise ConfigError(f"`reducer` must be 'horovod', 'mpi' or None. Received: reducer={reducer!r}")
         if reducer is None:

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 from .kerases import keras_of, loaded_kerases, underlying_variable
 from .patch import routed
 
-__all__ = ["apply_gradients", "fused_apply_supported", "fused_optimizer_scope"]
+__all__ = ["apply_gradients", "fused_apply_supported", "fused_optimizer_scope", "fused_updates"]
 
 _FLOAT_DTYPES = ("float32", "float64")
 
@@ -110,8 +110,17 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
         _original_apply(optimizer, pairs)
         return
 
+    fused_updates(optimizer, pairs, _prepare(optimizer, variables))
+    optimizer.iterations.assign_add(1)
+
+
+def fused_updates(optimizer: Any, pairs: list[tuple[Any, Any]], lr_value: Any) -> None:
+    """The fused kernels' updates of ``pairs`` (dense gradients) at learning rate
+    ``lr_value``, for an optimizer :func:`fused_apply_supported` accepts and has built;
+    ``optimizer.iterations`` (the step before this one) is left to the caller."""
+    import tensorflow as tf
+
     kind = _keras_kind(optimizer)
-    lr_value = _prepare(optimizer, variables)
     step = tf.cast(optimizer.iterations + 1, tf.float32)
     for grad, var in pairs:
         if grad is None:
@@ -137,7 +146,6 @@ def apply_gradients(optimizer: Any, grads_and_vars: Iterable[tuple[Any, Any]]) -
             )
         else:
             tf.raw_ops.ResourceApplyGradientDescent(var=_handle(var), alpha=lr, delta=grad, use_locking=False)
-    optimizer.iterations.assign_add(1)
 
 
 # While tracing the host step, Keras SGD/Adam ``apply_gradients`` calls made by a

@@ -25,10 +25,11 @@ multi-worker is confined to a few hooks:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, one_device_strategy
@@ -224,8 +225,7 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         return dataset.map(piece, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def _distribute_datasets_from_function(self, dataset_fn: Any, options: Any) -> Any:
-        with tf.device(self._input_device):
-            return self._mark(dataset_fn(self._input_context()))
+        return self._mark(dataset_fn(self._input_context()))
 
     def _input_context(self) -> Any:
         workers = self._workers
@@ -275,6 +275,34 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         return True
 
 
+@contextlib.contextmanager
+def _fused_keras_updates(tf_strategy: Any) -> Iterator[None]:
+    """Keras 3 SGD and Adam made in ``tf_strategy``'s scope update with TensorFlow's fused
+    CPU kernels (``hostreduce/host/apply.py``: one pass over each variable where Keras's
+    own update makes several), after the gradients' all-reduce, as the Horovod-style
+    wrapper does; other optimizers and settings, and ``fused_apply=False``, keep Keras's
+    own update."""
+    from ..host.apply import fused_apply_supported, fused_updates
+    from ..host.patch import routed
+
+    try:
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    except ImportError:  # no Keras 3
+        yield
+        return
+
+    def update_step(original: Any, optimizer: Any, grads: Any, variables: Any, learning_rate: Any) -> Any:
+        if (getattr(optimizer, "_distribution_strategy", None) is not tf_strategy
+                or not tf_strategy.host_strategy.fused_apply or not fused_apply_supported(optimizer, variables)):
+            return original(optimizer, grads, variables, learning_rate)
+        pairs = optimizer._all_reduce_sum_gradients(list(zip(grads, [getattr(v, "value", v) for v in variables])))
+        with tf.device(tf_strategy.extended._variable_device):
+            fused_updates(optimizer, [(g, v) for g, v in pairs if g is not None], tf.convert_to_tensor(learning_rate))
+
+    with routed(TFOptimizer, "_backend_update_step", update_step):
+        yield
+
+
 def _unwrap(value: Any) -> Any:
     """A one-replica ``PerReplica`` value's own value (anything else as it is)."""
     if isinstance(value, tf.distribute.DistributedValues):
@@ -291,6 +319,7 @@ class HostStrategy(tf.distribute.OneDeviceStrategy):
         self.host_strategy = host
         self._keras_routes = keras_files.install(self._owns, lambda: bool(host.is_chief), self.extended.barrier,
                                                  tf_keras_strategy=type(self))
+        self._keras_routes.enter_context(_fused_keras_updates(self))
 
     def _owns(self, model: Any) -> bool:
         strategy = getattr(model, "_distribute_strategy", None) or getattr(model, "_distribution_strategy", None)

@@ -3,8 +3,8 @@ of a made-up regression, then each worker saves its weights (``OUT/weights-rank<
 and its first epoch's loss. The model is built with a seed that differs per worker, so
 equal weights at the end also show that the scope starts every worker from rank 0's.
 
-Run: ``hostreduce run -np 2 -- python fit_worker.py ring|mpi SGD|Adam OUT`` (``mpi``:
-``HorovodStrategy`` under ``mpirun``).
+Run: ``hostreduce run -np 2 -- python fit_worker.py ring|mpi SGD|Adam OUT [fused|keras]``
+(``mpi``: ``HorovodStrategy`` under ``mpirun``; ``keras``: ``fused_apply=False``).
 """
 import json
 import os
@@ -16,7 +16,9 @@ import hostreduce
 from tests.tfd_workers.fit_model import EPOCHS, build, data
 
 ENGINE, OPTIMIZER, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
-strategy = hostreduce.MultiWorkerStrategy() if ENGINE == "ring" else hostreduce.HorovodStrategy(reducer=ENGINE)
+FUSED = (sys.argv[4] if len(sys.argv) > 4 else "fused") == "fused"
+strategy = (hostreduce.MultiWorkerStrategy(fused_apply=FUSED) if ENGINE == "ring"
+            else hostreduce.HorovodStrategy(reducer=ENGINE, fused_apply=FUSED))
 
 with strategy.scope():
     model = build(OPTIMIZER, seed=100 + strategy.rank)
