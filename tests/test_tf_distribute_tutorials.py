@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.mpi_workers.mpi_launch import mpi_skip_reason
-from tests.script_jobs import Worker, base_env, run_by_hand, run_launcher, run_mpirun
+from tests.script_jobs import Worker, base_env, run_by_hand, run_launcher, run_mpirun, run_ps_by_hand
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
@@ -65,9 +65,12 @@ def test_keras_tutorial(tmp_path: Path, legacy: str) -> None:
     assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").iterdir())  # removed at the end
 
 
-def test_keras_tutorial_by_hand(tmp_path: Path) -> None:
-    _same_weights(_by_hand(run_by_hand(WORKERS / "keras_main.py", ["1", "12", str(tmp_path)], env=_env("0"),
-                                       timeout=TIMEOUT)))
+@pytest.mark.parametrize("legacy", KERASES)
+def test_keras_tutorial_by_hand(tmp_path: Path, legacy: str) -> None:
+    output = _by_hand(run_by_hand(WORKERS / "keras_main.py", ["1", "12", str(tmp_path)], env=_env(legacy),
+                                  timeout=TIMEOUT))
+    _same_weights(output)
+    assert len(_values(output, "LOSSES")) == 2
 
 
 @pytest.mark.parametrize("legacy", KERASES)
@@ -87,9 +90,12 @@ def test_custom_loop_tutorial(tmp_path: Path, legacy: str) -> None:
     assert not list(tmp_path.glob("workertemp_*/ckpt"))
 
 
-def test_custom_loop_tutorial_by_hand(tmp_path: Path) -> None:
-    _same_weights(_by_hand(run_by_hand(WORKERS / "ctl_main.py", ["1", "6", str(tmp_path)], env=_env("0"),
-                                       timeout=TIMEOUT)))
+@pytest.mark.parametrize("legacy", KERASES)
+def test_custom_loop_tutorial_by_hand(tmp_path: Path, legacy: str) -> None:
+    output = _by_hand(run_by_hand(WORKERS / "ctl_main.py", ["2", "6", str(tmp_path)], env=_env(legacy),
+                                  timeout=TIMEOUT))
+    _same_weights(output)
+    assert all(run[-1] < run[0] for run in _values(output, "LOSSES"))
 
 
 @pytest.mark.parametrize("legacy", KERASES)
@@ -105,12 +111,15 @@ def test_estimator_tutorial(tmp_path: Path, legacy: str) -> None:
     assert evals[0]["global_step"] == 12 and evals[0]["loss"] < 2.0, evals  # untrained: about ln 10 = 2.3
 
 
-def test_estimator_tutorial_by_hand(tmp_path: Path) -> None:
-    _same_weights(_by_hand(run_by_hand(WORKERS / "estimator_main.py", [str(tmp_path / "model"), "6", "0.1"],
-                                       env=_env("0"), timeout=TIMEOUT)))
+@pytest.mark.parametrize("legacy", KERASES)
+def test_estimator_tutorial_by_hand(tmp_path: Path, legacy: str) -> None:
+    output = _by_hand(run_by_hand(WORKERS / "estimator_main.py", [str(tmp_path / "model"), "40", "0.1"],
+                                  env=_env(legacy), timeout=TIMEOUT))
+    _same_weights(output)
+    assert all(e["global_step"] == 12 and e["loss"] < 2.0 for e in _values(output, "EVAL"))
 
 
-def _reference(optimizer: str, through: str) -> list[np.ndarray]:
+def _reference(optimizer: str, through: str) -> tuple[list[np.ndarray], float, np.ndarray]:
     """One process on the global batch: plain Keras (``through="keras"``), or the same
     model in ``hostreduce.SingleProcessStrategy().scope()`` (``"scope"``: the fused
     kernels' arithmetic, without any other process)."""
@@ -123,11 +132,17 @@ def _reference(optimizer: str, through: str) -> list[np.ndarray]:
     with scope:
         model = build(optimizer, seed=100)  # rank 0's seed: the scope starts every worker from rank 0's weights
     model.fit(data(), epochs=EPOCHS, verbose=0)
-    return model.get_weights()
+    return (model.get_weights(), float(model.evaluate(data(), verbose=0)),
+            model.predict(data().map(lambda x, y: x), verbose=0))
 
 
 def _check_fit(out: Path, optimizer: str, through: str) -> None:
-    reference = _reference(optimizer, through)
+    reference, loss, predicted = _reference(optimizer, through)
+    for rank in range(2):  # evaluate and predict: the whole data on every worker
+        outputs = np.load(out / f"outputs-rank{rank}.npz")
+        assert outputs["predicted"].shape == predicted.shape
+        np.testing.assert_allclose(outputs["predicted"], predicted, rtol=1e-4, atol=1e-5)
+        assert float(outputs["loss"]) == pytest.approx(loss, rel=1e-4)
     ranks = [np.load(out / f"weights-rank{r}.npz") for r in range(2)]
     errors = []
     for i, expected in enumerate(reference):
@@ -197,3 +212,13 @@ def test_parameter_server_tutorial_on_tf_keras_is_refused_by_name(tmp_path: Path
                           extra=["--ps", "2"])
     assert worker.returncode != 0
     assert "ParameterServerStrategy trains Keras 3 models" in worker.output and "TF_USE_LEGACY_KERAS=1" in worker.output
+
+
+def test_parameter_server_tutorial_fit_by_hand(tmp_path: Path) -> None:
+    """The same, one process per task with its own ``TF_CONFIG`` (a chief, a worker, 2 ps)."""
+    tasks = run_ps_by_hand(WORKERS / "ps_main.py", ["3", "10", str(tmp_path)], env=_env("0"), timeout=TIMEOUT)
+    for name, task in tasks.items():
+        assert task.returncode == 0, f"{name}:\n{task.output[-4000:]}"
+    output = "".join(tasks[name].output for name in ("chief", "worker1"))
+    _same_weights(output)
+    assert all(run[-1] < run[0] for run in _values(output, "LOSSES"))

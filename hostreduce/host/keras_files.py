@@ -23,7 +23,31 @@ from typing import Any, Callable
 
 from .patch import routed
 
-__all__ = ["install"]
+__all__ = ["install", "model_classes"]
+
+
+def _legacy_wanted() -> bool:
+    return "tf_keras" in sys.modules or os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
+
+
+def model_classes() -> list[type]:
+    """The classes whose ``fit``/``evaluate``/``predict`` a script's models use: Keras 3's
+    TensorFlow trainer, and tf_keras's ``Model`` where tf_keras is (to be) used."""
+    found: list[type] = []
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        found.append(TensorFlowTrainer)
+    except ImportError:
+        pass
+    if _legacy_wanted():
+        try:
+            import tf_keras
+
+            found.append(tf_keras.Model)
+        except ImportError:
+            pass
+    return found
 
 
 def install(owns: Callable[[Any], bool], is_chief: Callable[[], bool], barrier: Callable[[], None],
@@ -37,8 +61,7 @@ def install(owns: Callable[[Any], bool], is_chief: Callable[[], bool], barrier: 
         _keras3(stack, owns, is_chief, barrier)
     except ImportError:
         pass
-    legacy = "tf_keras" in sys.modules or os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
-    if tf_keras_strategy is not None and legacy:
+    if tf_keras_strategy is not None and _legacy_wanted():
         try:
             _tf_keras(stack, owns, barrier, tf_keras_strategy)
         except ImportError:

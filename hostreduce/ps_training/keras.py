@@ -254,7 +254,7 @@ def _compiled_for(strategy: Any) -> Iterator[None]:
     ``strategy.keras_optimizer(optimizer)`` (on a ps task: serve until the chief ends
     the job), and ``jit_compile="auto"`` becomes False (the step's host op is not XLA's).
     A tf_keras model compiled here is refused: its updates would stay on the worker."""
-    from ..host.kerases import loaded_kerases
+    from ..host.keras_files import model_classes
     from ..host.patch import routed
 
     def keras3_compile(original: Any, model: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
@@ -273,13 +273,9 @@ def _compiled_for(strategy: Any) -> Iterator[None]:
                           "or train through the Estimator. Received: a tf_keras model compiled in strategy.scope()")
 
     with contextlib.ExitStack() as stack:
-        for package in loaded_kerases():
-            if package.__name__ == "keras":
-                from keras.src.trainers.trainer import Trainer
-
-                stack.enter_context(routed(Trainer, "compile", keras3_compile))
-            else:
-                stack.enter_context(routed(package.Model, "compile", tf_keras_compile))
+        for owner in model_classes():  # Kerases imported inside the block too
+            legacy = owner.__module__.split(".", 1)[0] == "tf_keras"
+            stack.enter_context(routed(owner, "compile", tf_keras_compile if legacy else keras3_compile))
         yield
 
 

@@ -193,7 +193,7 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
     _WORKER_DATASET = "_hostreduce_worker_dataset"
 
     def _experimental_distribute_dataset(self, dataset: Any, options: Any) -> Any:
-        if getattr(dataset, self._WORKER_DATASET, False):
+        if getattr(dataset, self._WORKER_DATASET, False) or getattr(_local, "whole", False):
             return dataset
         return self._mark(self._slice_batches(dataset))
 
@@ -275,6 +275,34 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         return True
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def _whole_data_for_evaluate_and_predict(tf_strategy: Any) -> Iterator[None]:
+    """``evaluate`` and ``predict`` of a model built in the scope run on the whole input
+    on every worker (no collective; each worker's compute is the whole input's), so that
+    they return what one process returns: the metrics of all the data, every prediction
+    in order, on every worker. (``MultiWorkerMirroredStrategy`` splits the work and
+    gathers; sliced here, each worker would see only its part.)"""
+    from ..host.patch import routed
+
+    def whole(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if tf_strategy._owns(model) and not getattr(_local, "whole", False):
+            _local.whole = True
+            try:
+                return original(model, *args, **kwargs)
+            finally:
+                _local.whole = False
+        return original(model, *args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for owner in keras_files.model_classes():
+            for name in ("evaluate", "predict"):
+                stack.enter_context(routed(owner, name, whole))
+        yield
+
+
 @contextlib.contextmanager
 def _fused_keras_updates(tf_strategy: Any) -> Iterator[None]:
     """Keras 3 SGD and Adam made in ``tf_strategy``'s scope update with TensorFlow's fused
@@ -320,6 +348,7 @@ class HostStrategy(tf.distribute.OneDeviceStrategy):
         self._keras_routes = keras_files.install(self._owns, lambda: bool(host.is_chief), self.extended.barrier,
                                                  tf_keras_strategy=type(self))
         self._keras_routes.enter_context(_fused_keras_updates(self))
+        self._keras_routes.enter_context(_whole_data_for_evaluate_and_predict(self))
 
     def _owns(self, model: Any) -> bool:
         strategy = getattr(model, "_distribute_strategy", None) or getattr(model, "_distribution_strategy", None)
