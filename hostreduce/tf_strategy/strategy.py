@@ -131,8 +131,8 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         """``initial_value`` as rank 0 made it, on every rank (as the multi-worker
         strategies do), so that every worker starts from the same weights."""
         def initial() -> Any:
-            value = initial_value() if callable(initial_value) else initial_value
             with tf.init_scope():  # variables are created eagerly, also from inside a tf.function
+                value = initial_value() if callable(initial_value) else initial_value
                 value = tf.convert_to_tensor(value, dtype=dtype)
                 if value.dtype == tf.bool:
                     return tf.cast(self._exchange([tf.cast(value, tf.int32)], "broadcast")[0], tf.bool)
@@ -147,8 +147,8 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
             return result if group else tf.nest.map_structure(self._local_results, result)
 
     def _call_for_each_replica(self, fn: Any, args: Any, kwargs: Any) -> Any:
-        # The distributed datasets hand this worker's batch over as a one-replica
-        # PerReplica value: the replica function gets the value itself.
+        # A one-replica PerReplica value (TensorFlow's own distributed values, made
+        # outside this strategy) reaches the replica function as the value itself.
         args, kwargs = tf.nest.map_structure(_unwrap, (args, kwargs or {}))
         return super()._call_for_each_replica(fn, args, kwargs)
 
