@@ -185,6 +185,20 @@ def test_fit_in_scope_equals_one_process_on_the_global_batch_and_streams(tmp_pat
         assert overlapped >= len(handoffs) // per_step - 1, f"rank {rank}: {overlapped} steps overlapped"
 
 
+def test_fit_evaluate_and_predict_in_scope_on_tf_keras(tmp_path: Path) -> None:
+    """The same job on tf_keras (``TF_USE_LEGACY_KERAS=1``): equal weights on both ranks,
+    and ``evaluate``/``predict`` over the whole data on each."""
+    _launched(run_launcher(WORKERS / "fit_worker.py", ["ring", "Adam", str(tmp_path)], env=_env("1"), timeout=TIMEOUT))
+    ranks = [np.load(tmp_path / f"weights-rank{r}.npz") for r in range(2)]
+    assert len(ranks[0].files) == 14
+    for name in ranks[0].files:
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name])
+    outputs = [np.load(tmp_path / f"outputs-rank{r}.npz") for r in range(2)]
+    assert outputs[0]["predicted"].shape == (256, 1)
+    np.testing.assert_array_equal(outputs[0]["predicted"], outputs[1]["predicted"])
+    assert float(outputs[0]["loss"]) == float(outputs[1]["loss"])
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_fit_in_scope_under_mpirun(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ def data():
 
 
 def build(optimizer, seed):
-    import keras
+    keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
     keras.utils.set_random_seed(seed)
     layers = [keras.Input((32,))] + [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(DEPTH)]
