@@ -236,3 +236,13 @@ def test_parameter_server_tutorial_fit_by_hand(tmp_path: Path) -> None:
     output = "".join(tasks[name].output for name in ("chief", "worker1"))
     _same_weights(output)
     assert all(run[-1] < run[0] for run in _values(output, "LOSSES"))
+
+
+def test_a_worker_that_raises_in_fit_ends_every_worker_by_hand(tmp_path: Path) -> None:
+    """No ``close()`` in the script: worker 1 raises in ``fit``; both workers exit non-zero
+    and worker 0 names worker 1's error (started by hand, so no launcher stops anyone)."""
+    workers = run_by_hand(WORKERS / "fit_fails.py", env=_env("0"), timeout=TIMEOUT)
+    assert all(w.returncode not in (0, None) for w in workers), [w.returncode for w in workers]
+    assert "worker 1 failed on purpose" in workers[1].output
+    assert "rank 1" in workers[0].output and "worker 1 failed on purpose" in workers[0].output, workers[0].output[-3000:]
+    assert "finished" not in workers[0].output + workers[1].output
