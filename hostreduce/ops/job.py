@@ -11,17 +11,16 @@ closed by :func:`shutdown` or at exit.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import os
 import threading
-import weakref
 from typing import Any, Callable
 
 from ..cluster import ClusterSpec, resolve_cluster
 from ..cluster.mpi_env import spec_from_mpi_env
 from ..errors import HostReduceError, NotInitializedError
 from ..reducers.job_end import add_clean_exit_hook
+from ..streaming.names import CollectiveNames
 from .sessions import make_room
 
 logger = logging.getLogger("hostreduce.horovod")
@@ -245,64 +244,31 @@ def cross_size() -> int:
 
 
 # ----------------------------------------------------------------------------- names
-# The ring matches collectives by name, so a collective the script did not name gets
-# one that every rank derives alike: every rank runs the same program, so the n-th
-# unnamed collective created while tracing function F (or the n-th one run eagerly) is
-# the same collective everywhere. Counting per traced graph, not per process, keeps
-# names equal when one rank retraces a function that another did not.
-_graph_counts: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
-# TF1 graphs (``tf.Graph``, run by a ``Session``) have no name: they are numbered in the
-# order this process first builds a collective into them, which every rank shares.
-_graph_numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-_graph_counter = itertools.count(1)
-_eager_counts: dict[str, int] = {}
-_names_lock = threading.Lock()
+# A collective the script did not name is named alike on every rank
+# (``hostreduce/streaming/names.py``).
+_names = CollectiveNames("hvd")
 
 
 def collective_name(kind: str, name: str | None) -> str:
     """``name`` when given, else ``hvd.<function>.<kind>.<n>`` (``hvd.eager...`` eagerly),
-    counted per kind: ranks that run different collectives on different groups (which
-    name their group in ``kind``) still agree on every name."""
+    counted per kind."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise HostReduceError(f"`name` must be a non-empty string or None. Received: name={name!r}")
         return name
-    import tensorflow as tf
-
-    with _names_lock:
-        if tf.executing_eagerly():
-            count = _eager_counts[kind] = _eager_counts.get(kind, 0) + 1
-            return f"hvd.eager.{kind}.{count}"
-        graph = tf.compat.v1.get_default_graph()
-        counts = _graph_counts.setdefault(graph, {})
-        count = counts[kind] = counts.get(kind, 0) + 1
-        return f"hvd.{_graph_name(graph)}.{kind}.{count}"
+    return _names.next(kind)
 
 
 def eager_counts() -> dict[str, int]:
     """How many unnamed collectives of each kind this process has run eagerly."""
-    with _names_lock:
-        return dict(_eager_counts)
+    return _names.eager_counts()
 
 
 def advance_eager_counts(counts: dict[str, int]) -> None:
     """Raise each kind's eager count to at least ``counts``'s: after a join, where the
     ranks that had not joined ran collectives that the joined ones did not, every rank
     takes the highest count so that the next unnamed collective has one name again."""
-    with _names_lock:
-        for kind, count in counts.items():
-            _eager_counts[kind] = max(_eager_counts.get(kind, 0), int(count))
-
-
-def _graph_name(graph: Any) -> str:
-    """A traced function's graph by its name; a TF1 graph by its number."""
-    name = getattr(graph, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    number = _graph_numbers.get(graph)
-    if number is None:
-        number = _graph_numbers[graph] = next(_graph_counter)
-    return f"graph{number}"
+    _names.advance_eager_counts(counts)
 
 
 # Host collectives wait on TensorFlow's inter-op threads: give the pool room as soon as

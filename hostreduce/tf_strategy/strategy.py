@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import threading
-import weakref
 from typing import Any, Iterator
 
 import tensorflow as tf
@@ -37,40 +35,12 @@ from tensorflow.python.distribute import distribute_lib, one_device_strategy
 from ..errors import ConfigError
 from ..host import keras_files
 from ..streaming import Channel, Collective, exchange
+from ..streaming.names import CollectiveNames
 from ..timeline import Timeline, timeline_dir_from_env
 
 __all__ = ["HostStrategy"]
 
 _MEAN = tf.distribute.ReduceOp.MEAN
-
-
-class _Names:
-    """Collective names every rank derives alike: the n-th reduction of a kind built
-    while tracing graph G (or the n-th one run eagerly). Every rank runs the same
-    program, so the ring matches them; ordered engines get them in one order."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._eager: dict[str, int] = {}
-        self._graphs: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
-        self._numbers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-        self._counter = itertools.count(1)
-
-    def next(self, kind: str) -> str:
-        with self._lock:
-            if tf.executing_eagerly():
-                count = self._eager[kind] = self._eager.get(kind, 0) + 1
-                return f"tfs.eager.{kind}.{count}"
-            graph = tf.compat.v1.get_default_graph()
-            counts = self._graphs.setdefault(graph, {})
-            count = counts[kind] = counts.get(kind, 0) + 1
-            name = getattr(graph, "name", None)
-            if not (isinstance(name, str) and name):
-                number = self._numbers.get(graph)
-                if number is None:
-                    number = self._numbers[graph] = next(self._counter)
-                name = f"graph{number}"
-            return f"tfs.{name}.{kind}.{count}"
 
 
 class _HostExtended(one_device_strategy.OneDeviceExtended):
@@ -79,7 +49,7 @@ class _HostExtended(one_device_strategy.OneDeviceExtended):
         super().__init__(container, compute)
         self._host = host
         self._variable_device = "/CPU:0" if host.variables_on_host else self._device
-        self._names = _Names()
+        self._names = CollectiveNames("tfs")
         self._channel: Channel | None = None
         # HOSTREDUCE_TIMELINE=DIR: each worker's hand-offs and reductions, written at exit
         self.timeline = Timeline(timeline_dir_from_env(), rank=int(host.rank))
