@@ -36,7 +36,7 @@ _PORTED: dict[str, str] = {"open": ".tf_adapter.device"}
 
 # Public modules: imported on first access as attributes (``hostreduce.distribute``).
 _MODULES: tuple[str, ...] = (
-    "cluster", "config", "distribute", "errors", "estimator", "hccl", "horovod", "host", "launch", "ops", "processes",
+    "cluster", "config", "distribute", "elastic", "errors", "estimator", "hccl", "horovod", "host", "launch", "ops", "processes",
     "progress", "ps", "ps_training", "reducers", "streaming", "strategies", "testing", "tf_adapter", "tf_strategy",
     "timeline", "transport", "version")
 

@@ -19,7 +19,8 @@ ENV_PREFIX = "HOSTREDUCE_"
 
 # Variables that share the prefix but are not configuration fields (set by the launcher
 # or read by other components).
-_RESERVED_ENV = frozenset({"HOSTREDUCE_TIMELINE"})
+_RESERVED_ENV = frozenset({"HOSTREDUCE_TIMELINE", "HOSTREDUCE_ELASTIC", "HOSTREDUCE_ELASTIC_WORKER",
+                           "HOSTREDUCE_ELASTIC_HOST", "HOSTREDUCE_ELASTIC_TIMEOUT_S"})
 
 _TRANSPORTS = ("auto", "grpc", "shm")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

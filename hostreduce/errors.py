@@ -18,6 +18,8 @@ __all__ = [
     "UnmatchedCollectiveError",
     "JoinedRankError",
     "ReducerClosedError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "SpecError",
     "CheckpointError",
     "InputNotCheckpointable",
@@ -119,6 +121,22 @@ class RoleError(HostReduceError, PermissionError):
     """An authenticated task made a parameter-server call its role does not allow: only
     the chief registers, holds, opens, saves, restores and ends the job, and it saves
     only under the ``model_dir`` it registered, at a step the ps has reached."""
+
+
+class HorovodInternalError(HostReduceError):
+    """A collective of an elastic job failed because the job's membership broke (a
+    worker failed or left): ``hostreduce.horovod.elastic.run`` restores the last commit
+    and resets (Horovod's ``horovod.common.exceptions.HorovodInternalError``)."""
+
+
+class HostsUpdatedInterrupt(HostReduceError):
+    """Raised on every worker of an elastic job at the same commit when workers wait to
+    join: ``hostreduce.horovod.elastic.run`` resets without losing progress (Horovod's
+    ``HostsUpdatedInterrupt``). ``skip_sync``: whether the state may skip its broadcast."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the job's workers changed; resetting at this commit")
+        self.skip_sync = skip_sync
 
 
 class UnsupportedCallError(HostReduceError, NotImplementedError):

@@ -25,3 +25,13 @@ def wait_for_marks(directory: str, names: Iterable[str], timeout: float = 60.0) 
         if time.monotonic() > deadline:
             raise TimeoutError(f"events {missing} did not happen within {timeout:g} s (no such files in {directory})")
         time.sleep(0.005)
+
+
+def wait_for_absence(directory: str, name: str, timeout: float = 60.0) -> None:
+    """Wait while the event ``name`` is recorded (a test holds the process there);
+    ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(os.path.join(directory, name)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} in {directory} was not removed within {timeout:g} s")
+        time.sleep(0.005)

@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"config", "timeline", "progress"},
     {"cluster", "transport"},
     {"processes"},
-    {"reducers"},
+    {"reducers", "elastic"},
     {"ps"},
     {"streaming"},
     {"host"},
@@ -38,7 +38,7 @@ LAYERS: list[set[str]] = [
 ]
 # What may not import TensorFlow at module level (the engines and the ps service run,
 # and are tested, without it).
-NO_TENSORFLOW = {"errors", "_files", "config", "timeline", "progress", "cluster", "transport", "processes", "reducers", "ps",
+NO_TENSORFLOW = {"errors", "_files", "config", "timeline", "progress", "cluster", "transport", "processes", "reducers", "elastic", "ps",
                  "streaming", "launch", "testing"}
 
 

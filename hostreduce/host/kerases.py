@@ -14,7 +14,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_subclass", "check_not_xla"]
+__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_variables", "optimizer_subclass",
+           "check_not_xla"]
 
 _PACKAGES = ("keras", "tf_keras")
 
@@ -44,6 +45,15 @@ def underlying_variable(variable: Any) -> Any:
         return variable
     value = getattr(variable, "_value", None)
     return value if isinstance(value, tf.Variable) else None
+
+
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """An optimizer's variables: Keras 3's ``variables`` list, Keras 2's ``variables()``
+    (none for None)."""
+    if optimizer is None:
+        return []
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
 
 
 _subclasses: dict[tuple[type, type], type] = {}

@@ -91,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true",
                      help="keep TensorFlow's start-up notices (no CUDA driver, cuInit, CPU instructions, oneDNN), "
                           "which are dropped from the workers' output otherwise")
+    elastic = run.add_argument_group(
+        "elastic jobs", "Workers may fail or join while the job runs (hostreduce.horovod.elastic); any of these "
+        "options makes the job elastic (docs/guides/elastic.md)")
+    elastic.add_argument("--min-np", dest="min_np", type=_num_workers, default=None, metavar="A",
+                         help="the fewest workers the job goes on with (default: -np)")
+    elastic.add_argument("--max-np", dest="max_np", type=_num_workers, default=None, metavar="B",
+                         help="the most workers the job runs at once (default: -np without a discovery script, "
+                              "else no limit)")
+    elastic.add_argument("--host-discovery-script", dest="discovery_script", default=None, metavar="SCRIPT",
+                         help="executable printing the hosts the job may use, `host:slots` per line; run every "
+                              "second, new workers start on free slots of this machine")
+    elastic.add_argument("--reset-limit", dest="reset_limit", type=int, default=None, metavar="R",
+                         help="fail the job after more than R resets (default: no limit)")
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_positive_seconds("--elastic-timeout"),
+                         default=None, metavar="SECONDS",
+                         help="how long the job waits for --min-np workers, and for every worker at a rendezvous "
+                              "(default: 600)")
+    elastic.add_argument("--blacklist-after", dest="blacklist_after", type=_num_workers, default=None, metavar="K",
+                         help="start no new worker on a host whose workers failed K times (default: 3)")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                      help="program and arguments each worker runs")
     return parser
@@ -106,7 +125,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         sys.stderr.write("hostreduce run: error: COMMAND is required. Received: no command after the options\n")
         return _USAGE_EXIT_CODE
+    elastic = [f for f in ("min_np", "max_np", "discovery_script", "reset_limit", "elastic_timeout", "blacklist_after")
+               if getattr(args, f) is not None]
     try:
+        if elastic:
+            if args.num_ps or args.evaluator:
+                raise ValueError("--ps and --evaluator cannot be combined with the elastic options. Received: "
+                                 + ", ".join("--" + f.replace("_", "-") for f in elastic))
+            from .elastic import BLACKLIST_AFTER, ELASTIC_TIMEOUT_S, run_elastic
+
+            max_np = args.max_np or (sys.maxsize if args.discovery_script else args.num_workers)
+            return run_elastic(
+                command,
+                args.num_workers,
+                min_np=args.min_np or args.num_workers,
+                max_np=max_np,
+                discovery_script=args.discovery_script,
+                reset_limit=args.reset_limit,
+                elastic_timeout=args.elastic_timeout or ELASTIC_TIMEOUT_S,
+                blacklist_after=args.blacklist_after or BLACKLIST_AFTER,
+                timeout=args.timeout,
+                prefix=args.prefix,
+                host=args.host,
+                grace_period=args.grace_period,
+                verbose=args.verbose,
+            )
         return run_workers(
             command,
             args.num_workers,

@@ -34,12 +34,16 @@ __all__ = [
     "exit_code",
     "GRACE_PERIOD_S",
     "TIMEOUT_EXIT_CODE",
+    "STOP_SIGNALS",
+    "Relay",
+    "message",
+    "merge_env",
 ]
 
 GRACE_PERIOD_S = 5.0
 TIMEOUT_EXIT_CODE = 124
 _SECRET_VAR = "HOSTREDUCE_SECRET"
-_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _CHUNK = 64 * 1024
 
 
@@ -66,7 +70,7 @@ def _task_env(base: Mapping[str, str], tf_config_json: str, secret: str, horovod
     return env
 
 
-def _merge_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
+def merge_env(env: Mapping[str, str | None] | None) -> dict[str, str]:
     merged = dict(os.environ)
     for key, value in (env or {}).items():
         if value is None:
@@ -83,7 +87,7 @@ def _binary(stream: object) -> BinaryIO | None:
     return None
 
 
-class _Relay:
+class Relay:
     """Copies one worker pipe to a destination stream, prefixing every line.
 
     With ``quiet``, TensorFlow's known start-up notices are dropped. ``last_error`` is
@@ -143,8 +147,8 @@ class _Job:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.relays: list[_Relay] = []
-        self.errors: dict[int, _Relay] = {}
+        self.relays: list[Relay] = []
+        self.errors: dict[int, Relay] = {}
         self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
 
     def watch(self, index: int, proc: subprocess.Popen[bytes]) -> None:
@@ -221,7 +225,7 @@ class _Job:
         return relay.last_error
 
 
-def _message(text: str) -> None:
+def message(text: str) -> None:
     try:
         sys.stderr.write(f"hostreduce run: {text}\n")
         sys.stderr.flush()
@@ -278,7 +282,7 @@ def run_workers(
     if not isinstance(grace_period, (int, float)) or grace_period < 0:
         raise ConfigError(f"`grace_period` must be a number >= 0. Received: grace_period={grace_period!r}")
 
-    base = _merge_env(env)
+    base = merge_env(env)
     base.setdefault("PYTHONUNBUFFERED", "1")
     secret = base.get(_SECRET_VAR) or secrets.token_hex(32)
     tasks = job_tasks(host, num_workers, num_ps, evaluator)
@@ -287,7 +291,7 @@ def run_workers(
     received: list[int] = []
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
-        for name in _STOP_SIGNALS:
+        for name in STOP_SIGNALS:
             signum = getattr(signal, name, None)
             if signum is None or signal.getsignal(signum) is signal.SIG_IGN:
                 continue  # Keep a signal the user chose to ignore (nohup, background jobs).
@@ -311,14 +315,14 @@ def run_workers(
                     start_new_session=True,
                 )
             except OSError as exc:
-                _message(f"cannot start worker {index}: {command[0]!r}: {exc.strerror or exc}")
+                message(f"cannot start worker {index}: {command[0]!r}: {exc.strerror or exc}")
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
                 return code
             job.procs.append(proc)
             if prefix:
                 tag = f"[{label}] ".encode()
                 for src, dest, lock in ((proc.stdout, sys.stdout, out_lock), (proc.stderr, sys.stderr, err_lock)):
-                    relay = _Relay(src, dest, tag, lock, quiet=not verbose)  # type: ignore[arg-type]
+                    relay = Relay(src, dest, tag, lock, quiet=not verbose)  # type: ignore[arg-type]
                     job.relays.append(relay)
                     relay.thread.start()
                 job.errors[index] = relay
@@ -329,7 +333,7 @@ def run_workers(
         while remaining and not received:
             wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if wait <= 0:
-                _message(f"timed out after {timeout:g} s; stopping all {len(tasks)} tasks")
+                message(f"timed out after {timeout:g} s; stopping all {len(tasks)} tasks")
                 code = TIMEOUT_EXIT_CODE
                 return code
             try:
@@ -355,12 +359,12 @@ def run_workers(
                 return code
         if received:
             code = 128 + received[0]
-            _message(f"received {signal.Signals(received[0]).name}; stopping all workers")
+            message(f"received {signal.Signals(received[0]).name}; stopping all workers")
         return code
     finally:
         seen = len(received)
         job.stop(grace_period, hurry=lambda: len(received) > seen)
         if final:
-            _message(final)
+            message(final)
         for signum, handler in previous.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..cluster import ClusterSpec, resolve_cluster
 from ..cluster.mpi_env import spec_from_mpi_env
-from ..errors import HostReduceError, NotInitializedError
+from ..errors import ConfigError, HostReduceError, NotInitializedError
 from ..reducers.job_end import add_clean_exit_hook
 from ..streaming.names import CollectiveNames
 from .sessions import make_room
@@ -54,15 +54,21 @@ class Job:
 
     @property
     def channel(self) -> Any:
+        """The process's channel: one for every job this process runs (after
+        ``shutdown()`` and ``init()``, or an elastic reset), so that a ``tf.function``
+        traced before reaches the engine of the job that runs it."""
+        global _channel
         if self._channel is None:
-            from ..config import Config
-            from ..streaming import Channel
+            with _lock:
+                if _channel is None:
+                    from ..config import Config
+                    from ..streaming import Channel
 
-            strategy = self.strategy
-            # The engine fails a collective after timeout_s with an error naming the
-            # cause; the hand-off's own limit is only a backstop behind it.
-            timeout = Config.from_env().timeout_s * 2 + 30.0
-            self._channel = Channel(self.reducer, strategy.ordered_submission, self.timeline, timeout)
+                    # The engine fails a collective after timeout_s with an error naming
+                    # the cause; the hand-off's own limit is only a backstop behind it.
+                    timeout = Config.from_env().timeout_s * 2 + 30.0
+                    _channel = Channel(_current_reducer, self.strategy.ordered_submission, self.timeline, timeout)
+            self._channel = _channel
         return self._channel
 
     def reducer(self) -> Any:
@@ -73,12 +79,18 @@ class Job:
             _end_job_at_exit()
         return reducer
 
+    def failure(self) -> BaseException | None:
+        """Why the job's engine can run no more collectives (a peer failed or left), or None."""
+        reducer = self._reducer
+        return None if reducer is None else reducer.failure
+
     def close(self, barrier: bool = True) -> None:
         """Close the engine; with ``barrier`` (``shutdown()``), first wait until every
-        rank is done, as Horovod's ``shutdown()`` does."""
+        rank is done, as Horovod's ``shutdown()`` does (not after a peer failed)."""
         try:
             reducer = self._reducer
-            if barrier and reducer is not None and not reducer.closed and reducer.size > 1:
+            if (barrier and reducer is not None and not reducer.closed and reducer.size > 1
+                    and reducer.failure is None):
                 try:
                     reducer.barrier(self.channel.timeout_s)
                 except HostReduceError as exc:
@@ -92,6 +104,10 @@ class Job:
 def _strategy_for(cluster: ClusterSpec) -> Any:
     from ..strategies import HorovodStrategy, MultiWorkerStrategy, SingleProcessStrategy
 
+    if cluster.source == "elastic":
+        from ..elastic.client import ElasticResolver
+
+        return MultiWorkerStrategy(cluster_resolver=ElasticResolver(cluster), variables_on_host=False)
     if cluster.source == "mpirun":
         return HorovodStrategy(variables_on_host=False)
     if cluster.size > 1:
@@ -101,6 +117,8 @@ def _strategy_for(cluster: ClusterSpec) -> Any:
 
 _lock = threading.Lock()
 _job: Job | None = None
+_channel: Any = None
+_elastic: Any = None      # the rendezvous client of an elastic job's worker (hostreduce.elastic)
 _flush_registered = False
 _exit_hook_registered = False
 _on_shutdown: list[Callable[[], None]] = []
@@ -145,12 +163,44 @@ def init(comm: Any = None) -> None:
         )
     with _lock:
         if _job is None:
-            _job = Job(spec_from_mpi_env(os.environ) or resolve_cluster())
+            _job = Job(_elastic_place() or spec_from_mpi_env(os.environ) or resolve_cluster())
             make_room()
             if _job.timeline.enabled and not _flush_registered:
                 _flush_registered = True
                 atexit.register(_flush_at_exit)
 
+
+
+def _current_reducer() -> Any:
+    return job().reducer()
+
+
+def elastic_client() -> Any:
+    """The rendezvous client when this process is a worker of an elastic job, else None."""
+    global _elastic
+    if _elastic is None:
+        from ..elastic.client import RendezvousClient
+
+        _elastic = RendezvousClient.from_env(os.environ)
+        if _elastic is not None:
+            if spec_from_mpi_env(os.environ) is not None:
+                raise ConfigError("An elastic job needs the ring: under mpirun the set of processes is fixed. "
+                                  "Start it with `hostreduce run --min-np ...`. Received: HOSTREDUCE_ELASTIC "
+                                  "and mpirun's variables both set")
+            from ..reducers.job_end import survive_peer_failures
+
+            survive_peer_failures()
+    return _elastic
+
+
+def _elastic_place() -> ClusterSpec | None:
+    """This worker's place in the next epoch of its elastic job (None: not elastic)."""
+    client = elastic_client()
+    if client is None:
+        return None
+    from ..elastic.wire import elastic_timeout_from_env
+
+    return client.join(elastic_timeout_from_env(os.environ))
 
 
 def _flush_at_exit() -> None:
@@ -168,6 +218,9 @@ def shutdown() -> None:
         for forget in list(_on_shutdown):
             forget()
         job.close()
+        # The next job's ranks (an elastic job's new workers among them) count unnamed
+        # eager collectives from zero alike.
+        _names.reset_eager_counts()
 
 
 def on_shutdown(fn: Callable[[], None]) -> None:

@@ -390,6 +390,12 @@ class Reducer(abc.ABC):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why this reducer can run no more collectives (a peer failed or left), or None
+        while it can. Engines that learn of their peers' ends override it."""
+        return None
+
     def _check_open(self) -> None:
         if self._closed:
             raise ReducerClosedError(f"The {self.name!r} reducer is closed")

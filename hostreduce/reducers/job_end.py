@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Callable, NoReturn, Protocol
 
-__all__ = ["describe_exception", "track", "untrack", "note_peer_failure", "add_job_abort", "add_clean_exit_hook",
+__all__ = ["describe_exception", "track", "untrack", "note_peer_failure", "survive_peer_failures", "add_job_abort", "add_clean_exit_hook",
            "flush_std_streams", "exit_at_once"]
 
 _log = logging.getLogger("hostreduce")
@@ -51,6 +51,7 @@ _CLEAN_EXIT_HOOKS: list[Callable[[], None]] = []
 _hooks_lock = threading.Lock()
 _hooks_installed = False
 _peer_failure: BaseException | None = None
+_survive_peer_failures = False
 
 
 def _install_exit_hooks() -> None:
@@ -108,10 +109,18 @@ def add_clean_exit_hook(fn: Callable[[], None]) -> None:
 
 
 def note_peer_failure(error: BaseException) -> None:
-    """A peer failed: the process exits non-zero even if the script catches the error."""
+    """A peer failed: the process exits non-zero even if the script catches the error
+    (unless this is an elastic job's worker, which goes on without the peer)."""
     global _peer_failure
-    if _peer_failure is None:
+    if _peer_failure is None and not _survive_peer_failures:
         _peer_failure = error
+
+
+def survive_peer_failures() -> None:
+    """This process is a worker of an elastic job: a failed peer ends the epoch, not the
+    process (``hostreduce.horovod.elastic`` resets to the last commit)."""
+    global _survive_peer_failures, _peer_failure
+    _survive_peer_failures, _peer_failure = True, None
 
 
 def _close_live_at_exit() -> None:

@@ -55,6 +55,12 @@ class CollectiveNames:
             for kind, count in counts.items():
                 self._eager[kind] = max(self._eager.get(kind, 0), int(count))
 
+    def reset_eager_counts(self) -> None:
+        """Start eager counting again (a new job: after ``shutdown()`` every rank of the
+        next job, new ones included, counts from zero)."""
+        with self._lock:
+            self._eager.clear()
+
     def _graph_name(self, graph: Any) -> str:
         name = getattr(graph, "name", None)
         if isinstance(name, str) and name:

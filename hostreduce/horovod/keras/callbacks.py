@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import ConfigError
-from ...host.kerases import loaded_kerases
+from ...host.kerases import loaded_kerases, optimizer_variables
 from ...ops import job as _engine
 from ...ops.tensors import Min, allreduce, broadcast_variables, grouped_allreduce
 
@@ -30,7 +30,7 @@ def _callback_base() -> type:
     return tf.keras.callbacks.Callback
 
 
-class _Callback:
+class KerasCallback:
     """A Keras callback whose Keras base class is picked at construction."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -56,11 +56,6 @@ def _is_variable(value: Any) -> bool:
                for k in loaded_kerases())
 
 
-def _optimizer_variables(optimizer: Any) -> list[Any]:
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
-
-
 def _optimizer_ready(model: Any) -> bool:
     """Whether the model's and its optimizer's variables exist (or could be made to)
     before the first batch; builds an optimizer not built yet."""
@@ -77,7 +72,7 @@ def _optimizer_ready(model: Any) -> bool:
     return True
 
 
-class BroadcastGlobalVariablesCallback(_Callback):
+class BroadcastGlobalVariablesCallback(KerasCallback):
     """Make every rank start from ``root_rank``'s model and optimizer state: its weights,
     iteration count and slots (e.g. Adam's moments), as restored from a checkpoint.
 
@@ -118,7 +113,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
 
     def _broadcast(self) -> None:
         broadcast_variables([v for v in self.model.variables if not self._is_local(v)], root_rank=self.root_rank)
-        broadcast_variables(_optimizer_variables(self.model.optimizer), root_rank=self.root_rank)
+        broadcast_variables(optimizer_variables(self.model.optimizer), root_rank=self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -139,7 +134,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
             self._broadcast()
 
 
-class MetricAverageCallback(_Callback):
+class MetricAverageCallback(KerasCallback):
     """Replace every metric in the epoch's logs with its average over the ranks, so
     rank 0's progress bar, ``History`` and later callbacks see job-wide values.
 
@@ -167,7 +162,7 @@ def _get_value(variable: Any) -> float:
     return float(np.asarray(variable.numpy() if hasattr(variable, "numpy") else variable))
 
 
-class LearningRateScheduleCallback(_Callback):
+class LearningRateScheduleCallback(KerasCallback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` in epochs
     ``[start_epoch, end_epoch)``, as Horovod does.
 

@@ -274,6 +274,10 @@ class RingReducer(Reducer):
             self._lane.watch()
 
     # ------------------------------------------------------------------ failure and close
+    @property
+    def failure(self) -> BaseException | None:
+        return self._table.error
+
     def _fail(self, err: BaseException, *, failure: bool = True) -> None:
         """Fail every pending and later collective with ``err``. A ``failure`` is logged
         and reported to every peer; rank 0's orderly goodbye is not one: it only ends

@@ -1,0 +1,187 @@
+"""The launcher's side of an elastic job: which workers form each epoch, and the gRPC
+service through which workers ask.
+
+``Membership`` is the state (no I/O): the running workers, the current epoch's members
+in rank order, the places asked for the next epoch and an update count. An epoch forms
+when every running worker has asked for a place in it (and at least ``min_np`` run):
+survivors first, in their old rank order, then joining workers by id. A worker that is
+not a member asking for a place while an epoch runs raises the update count, which
+members read at their next commit and answer by resetting.
+
+``RendezvousService`` serves ``Membership`` over one unary gRPC method on the address it
+is told. Before a call is authenticated it costs one bounded message and one of a few
+threads; a call that fails authentication or is malformed is refused, logged, and
+changes nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from ..errors import WireError
+from ..transport.admission import Refusals, short
+from ..transport.grpc_options import grpc_options
+from . import wire
+
+__all__ = ["Membership", "Member", "RendezvousService"]
+
+log = logging.getLogger("hostreduce.elastic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    worker: int
+    host: str
+    address: str
+
+
+class Membership:
+    """The members of each epoch of one elastic job (thread-safe)."""
+
+    def __init__(self, min_np: int, on_epoch: Callable[[int, list[Member]], None] | None = None) -> None:
+        self.min_np = min_np
+        self._on_epoch = on_epoch
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self.members: list[Member] = []
+        self._assigned: dict[int, dict[str, Any]] = {}   # worker -> its place in the current epoch
+        self._running: dict[int, str] = {}               # worker -> host
+        self._asked: dict[int, Member] = {}              # places asked for the next epoch
+        self._last_rank: dict[int, int] = {}
+        self._announced: set[int] = set()                # non-members already counted in `updates`
+        self.updates = 0
+        self.closed = False
+
+    # -- what the launcher tells ------------------------------------------------
+    def started(self, worker: int, host: str) -> None:
+        with self._lock:
+            self._running[worker] = host
+
+    def ended(self, worker: int) -> None:
+        with self._lock:
+            self._running.pop(worker, None)
+            self._asked.pop(worker, None)
+            self._form()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+
+    def running(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._running)
+
+    def waiting(self) -> list[int]:
+        """Running workers that asked for a place in the next epoch."""
+        with self._lock:
+            return sorted(self._asked)
+
+    def member_ids(self) -> list[int]:
+        with self._lock:
+            return [m.worker for m in self.members]
+
+    # -- what workers ask ---------------------------------------------------------
+    def join(self, worker: int, after: int, address: str) -> dict[str, Any]:
+        """Worker ``worker`` (last in epoch ``after``, 0: none) asks for its place."""
+        with self._lock:
+            if self.closed:
+                return {"state": "leave", "reason": "the job has ended"}
+            host = self._running.get(worker)
+            if host is None:
+                return {"state": "leave", "reason": f"worker {worker} is not one of the job's running workers"}
+            if self.epoch > after and worker in self._assigned:
+                return self._assigned[worker]
+            self._asked[worker] = Member(worker, host, address)
+            if self.epoch and worker not in self._assigned and worker not in self._announced:
+                self._announced.add(worker)
+                self.updates += 1
+            self._form()
+            if self.epoch > after and worker in self._assigned:
+                return self._assigned[worker]
+            return {"state": "wait", "epoch": self.epoch}
+
+    def _form(self) -> None:
+        running = set(self._running)
+        if self.closed or not running or len(running) < self.min_np or not running <= set(self._asked):
+            return
+        order = sorted(running, key=lambda w: (0, self._last_rank[w]) if w in self._last_rank else (1, w))
+        members = [self._asked[w] for w in order]
+        self.epoch += 1
+        self.members = members
+        addresses = [m.address for m in members]
+        hosts = [m.host for m in members]
+        self._assigned = {}
+        for rank, m in enumerate(members):
+            same = [i for i, h in enumerate(hosts) if h == m.host]
+            self._assigned[m.worker] = {"state": "ready", "epoch": self.epoch, "rank": rank, "size": len(members),
+                                        "addresses": addresses, "local_rank": same.index(rank),
+                                        "local_size": len(same)}
+        self._last_rank = {m.worker: rank for rank, m in enumerate(members)}
+        self._asked = {}
+        self._announced -= set(self._last_rank)
+        log.info("epoch %d: %d worker(s), ids %s", self.epoch, len(members), [m.worker for m in members])
+        if self._on_epoch is not None:
+            self._on_epoch(self.epoch, members)
+
+    def updates_count(self) -> int:
+        with self._lock:
+            return self.updates
+
+
+class RendezvousService:
+    """The gRPC face of a ``Membership``, bound to ``host`` (port chosen by the system)."""
+
+    def __init__(self, membership: Membership, secret: str, host: str = "127.0.0.1") -> None:
+        import grpc
+
+        self._membership = membership
+        self._secret = secret
+        self.refusals = Refusals(-1, name="the elastic rendezvous service", logger=log, every_s=10.0)
+        options = grpc_options(10.0, max_receive_bytes=wire.MAX_MESSAGE_BYTES)
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="hr-elastic"),
+                                   options=options, maximum_concurrent_rpcs=64)
+        handler = grpc.method_handlers_generic_handler("hostreduce.Elastic", {
+            "Call": grpc.unary_unary_rpc_method_handler(self._call)})
+        self._server.add_generic_rpc_handlers((handler,))
+        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+        port = self._server.add_insecure_port(bind)
+        if not port:
+            raise WireError(f"the elastic rendezvous service cannot bind {bind}")
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._server.start()
+
+    def _refuse(self, context: Any, why: str) -> bytes:
+        import grpc
+
+        self.refusals.refuse(context.peer(), None, why, set(), kind=why.split(" (")[0])
+        context.abort(grpc.StatusCode.UNAUTHENTICATED if "secret" in why else grpc.StatusCode.INVALID_ARGUMENT,
+                      f"refused: {why}")
+        raise AssertionError("unreachable")
+
+    def _call(self, request: bytes, context: Any) -> bytes:
+        try:
+            req = wire.open_request(self._secret, request)
+        except WireError as e:
+            return self._refuse(context, str(e))
+        op, worker = req.get("op"), req.get("worker")
+        if not isinstance(worker, int) or isinstance(worker, bool) or worker < 0:
+            return self._refuse(context, f"invalid worker {short(worker)}")
+        if op == "join":
+            after, address = req.get("after"), req.get("address")
+            if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+                return self._refuse(context, f"invalid epoch {short(after)}")
+            if not isinstance(address, str) or not 0 < len(address) <= 300:
+                return self._refuse(context, f"invalid address {short(address)}")
+            reply = self._membership.join(worker, after, address)
+        elif op == "updates":
+            reply = {"updates": self._membership.updates_count()}
+        else:
+            return self._refuse(context, f"unknown call {short(op)}")
+        return wire.seal_reply(self._secret, req["nonce"], reply)
+
+    def stop(self) -> None:
+        self.refusals.flush(force=True)
+        self._server.stop(grace=None)

@@ -1,0 +1,321 @@
+"""``hostreduce run --min-np A --max-np B [--host-discovery-script S]``: an elastic job.
+
+The launcher starts the first ``-np`` workers, runs the rendezvous service
+(``hostreduce.elastic``) through which every epoch's members find each other, and then
+follows the job: a worker that fails is counted against its host and the others go on
+without it (they reset to their last commit); the discovery script, run every second,
+names the hosts and slots the job may use (``host:slots`` per line), and the launcher
+starts workers on free slots, up to ``--max-np``, which join the running workers at
+their next commit. A host whose workers failed ``--blacklist-after`` times gets no new
+workers. The job ends with status 0 when the members of its last epoch all finish,
+and fails when fewer than ``--min-np`` workers are left and none can be started within
+``--elastic-timeout``, or after ``--reset-limit`` resets.
+
+Workers run on this machine; a discovery script that names another host is told so
+once, and that host is left out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Mapping, Sequence
+
+from ..cluster import TF_CONFIG
+from ..cluster.mpi_env import HOROVOD_VARIABLES
+from ..elastic.wire import ELASTIC_ADDRESS_VAR, ELASTIC_HOST_VAR, ELASTIC_TIMEOUT_VAR, ELASTIC_WORKER_VAR
+from ..elastic.rendezvous import Member, Membership, RendezvousService
+from ..errors import ConfigError
+from ..processes import exit_code, stop_groups
+from .runner import GRACE_PERIOD_S, STOP_SIGNALS, TIMEOUT_EXIT_CODE, Relay, merge_env, message
+
+__all__ = ["run_elastic", "parse_discovery", "DISCOVERY_EVERY_S", "ELASTIC_TIMEOUT_S"]
+
+DISCOVERY_EVERY_S = 1.0
+DISCOVERY_TIMEOUT_S = 10.0
+ELASTIC_TIMEOUT_S = 600.0
+BLACKLIST_AFTER = 3
+_SECRET_VAR = "HOSTREDUCE_SECRET"
+
+
+def parse_discovery(text: str) -> dict[str, int]:
+    """``{host: slots}`` from a discovery script's output: one ``host`` or ``host:slots``
+    per line (``host`` alone: one slot); blank lines and ``#`` comments are skipped."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, sep, slots = line.rpartition(":") if line.count(":") == 1 or line.startswith("[") else ("", "", line)
+        if not sep:
+            host, slots = line, "1"
+        host = host.strip("[]")
+        try:
+            count = int(slots)
+        except ValueError:
+            count = -1
+        if not host or count < 0:
+            raise ConfigError(f"The host discovery script must print `host` or `host:slots` per line. "
+                              f"Received: line {number}: {raw!r}")
+        hosts[host] = hosts.get(host, 0) + count
+    return hosts
+
+
+def _local_names(host: str) -> set[str]:
+    names = {"localhost", "127.0.0.1", "::1", host}
+    try:
+        names.add(socket.gethostname())
+        names.add(socket.getfqdn())
+    except OSError:
+        pass
+    return names
+
+
+@dataclasses.dataclass
+class _Worker:
+    wid: int
+    host: str
+    proc: subprocess.Popen
+    relays: list[Relay]
+    removed: bool = False    # stopped by the launcher (its slot went away), not failed
+
+
+class _ElasticJob:
+    def __init__(self, command: list[str], base: dict[str, str], secret: str, host: str, min_np: int,
+                 max_np: int, prefix: bool, verbose: bool, elastic_timeout: float) -> None:
+        self.command, self.base, self.secret, self.host = command, base, secret, host
+        self.elastic_timeout = elastic_timeout
+        self.min_np, self.max_np, self.prefix, self.verbose = min_np, max_np, prefix, verbose
+        self.workers: dict[int, _Worker] = {}
+        self.exits: "queue.Queue[tuple[int, int]]" = queue.Queue()
+        self.next_id = 0
+        self.out_lock, self.err_lock = threading.Lock(), threading.Lock()
+        self.epochs: list[list[Member]] = []
+        self.membership = Membership(min_np, on_epoch=lambda _e, members: self.epochs.append(list(members)))
+        self.service = RendezvousService(self.membership, secret, host)
+
+    def running_on(self, host: str) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.host == host and w.proc.poll() is None and not w.removed]
+
+    def start(self, host: str) -> None:
+        wid = self.next_id
+        self.next_id += 1
+        env = {k: v for k, v in self.base.items() if k not in HOROVOD_VARIABLES and k != TF_CONFIG}
+        env.update({_SECRET_VAR: self.secret, ELASTIC_ADDRESS_VAR: self.service.address,
+                    ELASTIC_WORKER_VAR: str(wid), ELASTIC_HOST_VAR: self.host,
+                    ELASTIC_TIMEOUT_VAR: repr(self.elastic_timeout)})
+        pipe = subprocess.PIPE if self.prefix else None
+        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
+                                start_new_session=True)
+        relays: list[Relay] = []
+        if self.prefix:
+            tag = f"[{wid}] ".encode()
+            for src, dest, lock in ((proc.stdout, sys.stdout, self.out_lock), (proc.stderr, sys.stderr, self.err_lock)):
+                relay = Relay(src, dest, tag, lock, quiet=not self.verbose)  # type: ignore[arg-type]
+                relays.append(relay)
+                relay.thread.start()
+        self.membership.started(wid, host)
+        self.workers[wid] = _Worker(wid, host, proc, relays)
+
+        def wait() -> None:
+            self.exits.put((wid, proc.wait()))
+
+        threading.Thread(target=wait, name=f"elastic-watch{wid}", daemon=True).start()
+
+    def error_of(self, wid: int) -> str | None:
+        worker = self.workers[wid]
+        if len(worker.relays) < 2:
+            return None
+        worker.relays[1].thread.join(timeout=2.0)
+        return worker.relays[1].last_error
+
+    def stop(self, workers: Sequence[_Worker], grace: float) -> None:
+        stop_groups([w.proc for w in workers], grace_s=grace)
+        for w in workers:
+            for relay in w.relays:
+                relay.thread.join(timeout=5.0)
+
+
+def _discover(script: str) -> dict[str, int] | str:
+    """The script's hosts, or why it could not be read."""
+    try:
+        done = subprocess.run([script], capture_output=True, timeout=DISCOVERY_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    if done.returncode != 0:
+        return f"it exited with code {done.returncode}: {done.stderr.decode(errors='replace').strip()[-300:]}"
+    try:
+        return parse_discovery(done.stdout.decode(errors="replace"))
+    except ConfigError as e:
+        return str(e)
+
+
+def run_elastic(
+    command: list[str],
+    num_workers: int,
+    *,
+    min_np: int,
+    max_np: int,
+    discovery_script: str | None = None,
+    reset_limit: int | None = None,
+    elastic_timeout: float = ELASTIC_TIMEOUT_S,
+    blacklist_after: int = BLACKLIST_AFTER,
+    env: Mapping[str, str | None] | None = None,
+    timeout: float | None = None,
+    prefix: bool = True,
+    host: str = "127.0.0.1",
+    grace_period: float = GRACE_PERIOD_S,
+    verbose: bool = False,
+) -> int:
+    """Run ``command`` as an elastic job of ``num_workers`` local workers to start with,
+    between ``min_np`` and ``max_np`` while it runs (module docstring). Returns 0 when the
+    members of the last epoch all succeeded, else the status of the last failure (124
+    on ``timeout``, 128 + signal when interrupted)."""
+    for name, value in (("num_workers", num_workers), ("min_np", min_np), ("max_np", max_np),
+                        ("blacklist_after", blacklist_after)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    if not min_np <= num_workers <= max_np:
+        raise ConfigError(f"`num_workers` must be between `min_np` and `max_np`. Received: min_np={min_np}, "
+                          f"num_workers={num_workers}, max_np={max_np}")
+    if reset_limit is not None and (not isinstance(reset_limit, int) or isinstance(reset_limit, bool)
+                                    or reset_limit < 0):
+        raise ConfigError(f"`reset_limit` must be an integer >= 0 or None. Received: reset_limit={reset_limit!r}")
+    if not elastic_timeout > 0:
+        raise ConfigError(f"`elastic_timeout` must be a number of seconds > 0. Received: {elastic_timeout!r}")
+    if discovery_script is not None and not os.access(discovery_script, os.X_OK):
+        raise ConfigError("`--host-discovery-script` must name an executable file. "
+                          f"Received: {discovery_script!r}")
+    base = merge_env(env)
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    secret = base.get(_SECRET_VAR) or secrets.token_hex(32)
+    received: list[int] = []
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is None or signal.getsignal(signum) is signal.SIG_IGN:
+                continue
+            previous[signum] = signal.signal(signum, lambda s, _f: received.append(s))
+
+    job = _ElasticJob(list(command), base, secret, host, min_np, max_np, prefix, verbose, elastic_timeout)
+    local = _local_names(host)
+    failures: dict[str, int] = {}
+    blacklisted: set[str] = set()
+    told_remote: set[str] = set()
+    final, code = "", 0
+    finished = False          # a member of the current epoch finished: no worker joins any more
+    last_failure = 0
+    short_since: float | None = None
+    waiting_since: float | None = None
+    next_discovery = 0.0
+    try:
+        try:
+            for _ in range(num_workers):
+                job.start(host)
+        except OSError as exc:
+            message(f"cannot start a worker: {command[0]!r}: {exc.strerror or exc}")
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not received:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                message(f"timed out after {timeout:g} s; stopping every worker")
+                return TIMEOUT_EXIT_CODE
+            if reset_limit is not None and len(job.epochs) - 1 > reset_limit:
+                final = f"the job reset {len(job.epochs) - 1} times, more than --reset-limit {reset_limit}"
+                return last_failure or 1
+            try:
+                wid, returncode = job.exits.get(timeout=0.1)
+            except queue.Empty:
+                wid = None
+            if wid is not None:
+                worker = job.workers[wid]
+                members = job.membership.member_ids()
+                job.membership.ended(wid)
+                if returncode == 0:
+                    if wid in members:
+                        finished = True
+                elif not worker.removed:
+                    last_failure = exit_code(returncode)
+                    how = (f"was killed by {signal.Signals(-returncode).name}"
+                           if returncode < 0 and -returncode in signal.valid_signals()
+                           else f"exited with code {returncode}")
+                    error = job.error_of(wid)
+                    failures[worker.host] = failures.get(worker.host, 0) + 1
+                    left = len(job.membership.running())
+                    message(f"worker {wid} {how}{f' ({error})' if error else ''}; {left} worker(s) go on")
+                    if failures[worker.host] >= blacklist_after and worker.host not in blacklisted:
+                        blacklisted.add(worker.host)
+                        message(f"host {worker.host} is blacklisted: its workers failed {failures[worker.host]} "
+                                "times; no new worker starts there")
+            running = job.membership.running()
+            if finished:
+                if not set(job.membership.member_ids()) & set(running):
+                    rest = [w for w in job.workers.values() if w.proc.poll() is None]
+                    job.stop(rest, grace_period)
+                    return 0
+                continue
+            if not running and not discovery_script:
+                final = "every worker has ended"
+                return last_failure or 1
+            # New workers on free slots (discovery), up to max_np.
+            if discovery_script and now >= next_discovery:
+                next_discovery = now + DISCOVERY_EVERY_S
+                found = _discover(discovery_script)
+                if isinstance(found, str):
+                    message(f"the host discovery script failed: {found}")
+                else:
+                    for name in found:
+                        if name not in local and name not in told_remote:
+                            told_remote.add(name)
+                            message(f"host {name!r} from the discovery script is not this machine; workers on "
+                                    "other hosts are not supported yet, so it is left out")
+                    wanted = sum(slots for name, slots in found.items() if name in local)
+                    current = job.running_on(host)
+                    if host not in blacklisted:
+                        for _ in range(min(wanted - len(current), max_np - len(running))):
+                            job.start(host)
+                    for w in sorted(current, key=lambda w: -w.wid)[:max(0, len(current) - wanted)]:
+                        w.removed = True
+                        message(f"worker {w.wid}: its slot left the discovery script's hosts; stopping it")
+                        job.stop([w], grace_period)
+            running = job.membership.running()
+            if len(running) < min_np:
+                short_since = now if short_since is None else short_since
+                if now - short_since > elastic_timeout or not discovery_script:
+                    final = (f"{len(running)} worker(s) left, fewer than --min-np {min_np}"
+                             + (f", and none could be started within {elastic_timeout:g} s" if discovery_script else ""))
+                    return last_failure or 1
+            else:
+                short_since = None
+            # A running worker that never asks for its place while others wait is stuck.
+            waiting = set(job.membership.waiting())
+            if waiting and not set(running) <= waiting:
+                waiting_since = now if waiting_since is None else waiting_since
+                if now - waiting_since > elastic_timeout:
+                    stuck = [job.workers[w] for w in running if w not in waiting]
+                    message(f"worker(s) {[w.wid for w in stuck]} did not come to the rendezvous within "
+                            f"{elastic_timeout:g} s while others waited; stopping them")
+                    job.stop(stuck, grace_period)
+                    waiting_since = None
+            else:
+                waiting_since = None
+        code = 128 + received[0]
+        message(f"received {signal.Signals(received[0]).name}; stopping every worker")
+        return code
+    finally:
+        job.membership.close()
+        job.stop([w for w in job.workers.values()], grace_period)
+        job.service.stop()
+        if final:
+            message(final)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]

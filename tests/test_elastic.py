@@ -1,0 +1,216 @@
+"""Elastic jobs: the membership of each epoch, the rendezvous service under strangers,
+and Horovod's elastic TensorFlow 2 example run under ``hostreduce run --min-np --max-np``
+while a worker is killed and others are added."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hostreduce.elastic import wire
+from hostreduce.elastic.rendezvous import Membership, RendezvousService
+from hostreduce.errors import ConfigError, WireError
+from hostreduce.launch.elastic import parse_discovery
+
+from tests.marks import wait_for_marks
+from tests.script_jobs import MARKER_VAR, Job, base_env
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "tests" / "elastic_workers" / "tensorflow2_mnist_elastic.py"
+
+
+# ------------------------------------------------------------------ membership
+def _ready(reply):
+    assert reply["state"] == "ready", reply
+    return reply
+
+
+def test_an_epoch_forms_once_every_running_worker_asked():
+    m = Membership(min_np=1)
+    m.started(0, "h")
+    m.started(1, "h")
+    assert m.join(0, 0, "h:1")["state"] == "wait"
+    a = _ready(m.join(1, 0, "h:2"))
+    assert (a["epoch"], a["rank"], a["size"], a["addresses"]) == (1, 1, 2, ["h:1", "h:2"])
+    assert _ready(m.join(0, 0, "h:1"))["rank"] == 0
+    assert m.updates_count() == 0
+
+
+def test_survivors_keep_their_order_and_newcomers_come_last():
+    m = Membership(min_np=1)
+    for w in range(3):
+        m.started(w, "h")
+    for w in (2, 0, 1):
+        m.join(w, 0, f"h:{w}")
+    m.ended(0)                     # rank 0 fails: the lowest survivor becomes rank 0
+    m.started(3, "h")              # a new worker asks while epoch 1 runs
+    assert m.join(3, 0, "h:3")["state"] == "wait"
+    assert m.updates_count() == 1
+    assert m.join(3, 0, "h:3")["state"] == "wait" and m.updates_count() == 1   # counted once
+    assert m.join(2, 1, "h:22")["state"] == "wait"
+    b = _ready(m.join(1, 1, "h:11"))
+    assert b["epoch"] == 2 and b["addresses"] == ["h:11", "h:22", "h:3"] and b["rank"] == 0
+    assert _ready(m.join(3, 0, "h:3"))["rank"] == 2
+
+
+def test_a_worker_that_ends_releases_the_others_and_strangers_get_no_place():
+    m = Membership(min_np=1)
+    m.started(0, "h")
+    m.started(1, "h")
+    assert m.join(0, 0, "h:0")["state"] == "wait"
+    m.ended(1)
+    assert _ready(m.join(0, 0, "h:0"))["size"] == 1
+    assert m.join(7, 0, "h:7")["state"] == "leave"
+
+
+def test_no_epoch_below_min_np():
+    m = Membership(min_np=2)
+    m.started(0, "h")
+    assert m.join(0, 0, "h:0")["state"] == "wait"
+    m.started(1, "h")
+    assert _ready(m.join(1, 0, "h:1"))["size"] == 2
+
+
+def test_discovery_output():
+    assert parse_discovery("localhost:2\n# a comment\n\nnode-1\n[::1]:3\n") == {"localhost": 2, "node-1": 1,
+                                                                                 "::1": 3}
+    with pytest.raises(ConfigError, match="host:slots"):
+        parse_discovery("localhost:two\n")
+
+
+# ------------------------------------------------------------------ the service
+def test_rendezvous_service_refuses_strangers_and_answers_members(caplog):
+    m = Membership(min_np=1)
+    m.started(0, "127.0.0.1")
+    service = RendezvousService(m, "s3cret")
+    try:
+        with grpc.insecure_channel(service.address) as channel:
+            call = channel.unary_unary(wire.METHOD)
+            refused = []
+            for data in (b"", b"x" * 100, wire.seal_request("wrong", {"op": "join", "worker": 0, "after": 0,
+                                                                        "address": "1.2.3.4:5"})[0],
+                         wire.seal_request("s3cret", {"op": "join", "worker": "0", "after": 0, "address": "a"})[0],
+                         wire.seal_request("s3cret", {"op": "drop", "worker": 0})[0]):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(data, timeout=10)
+                refused.append(info.value.code())
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"0" * (wire.MAX_MESSAGE_BYTES + 1), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused[2] == grpc.StatusCode.UNAUTHENTICATED
+            assert set(refused) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT}
+            assert m.waiting() == [] and m.epoch == 0     # nothing a stranger sent changed the membership
+            data, nonce = wire.seal_request("s3cret", {"op": "join", "worker": 0, "after": 0,
+                                                       "address": "127.0.0.1:9"})
+            reply = wire.open_reply("s3cret", nonce, call(data, timeout=10))
+            assert reply["state"] == "ready" and reply["addresses"] == ["127.0.0.1:9"]
+            with pytest.raises(WireError):   # a reply is good for its own request only
+                wire.open_reply("s3cret", "0" * 32, call(data, timeout=10))
+        assert service.refusals.count == 5
+    finally:
+        service.stop()
+
+
+# ------------------------------------------------------------------ the example, 2 -> 1 -> 3
+def _pid_of(job: Job, worker: int) -> int:
+    want = {f"{MARKER_VAR}={job.marker}".encode(), f"HOSTREDUCE_ELASTIC_WORKER={worker}".encode()}
+    for pid in job.leftovers():
+        try:
+            env = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= env and b"elastic_workers" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError(f"no process of worker {worker}")
+
+
+def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
+    """``tensorflow2_mnist_elastic.py`` (import changed, local data) on 2 workers: worker 1
+    is SIGKILLed mid-epoch and worker 0 goes on alone from its last commit; then the
+    discovery script offers 3 slots, two workers join at a commit, and the job ends with
+    the same weights on all 3 ranks, every process gone."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    (marks / "hold-b3").touch()
+    (marks / "hold-b8").touch()
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--", sys.executable, str(EXAMPLE), "90",
+           str(tmp_path / "ckpt")]
+    with Job() as job:
+        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
+        wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
+        hosts.write_text("localhost:1\n")       # the slot goes with the worker
+        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        (marks / "hold-b3").unlink()
+        wait_for_marks(str(marks), ["commit-w0-b8-s1"], timeout=240)
+        hosts.write_text("localhost:3\n")
+        wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
+        (marks / "hold-b8").unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    out = launcher.output
+    assert launcher.returncode == 0, out[-4000:]
+    assert not leftovers
+    assert "worker 1 was killed by SIGKILL" in out
+    done = re.findall(r"RESULT rank (\d)/(\d): weights=(\w+)", out)
+    assert sorted((r, n) for r, n, _ in done) == [("0", "3"), ("1", "3"), ("2", "3")], out[-4000:]
+    assert len({d for _, _, d in done}) == 1, done
+    names = set(os.listdir(marks))
+    # Worker 0 went on alone from its last commit: at most the step in flight was lost.
+    alone = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"commit-w0-b(\d+)-s1", n)))
+    assert alone and alone[0] in (3, 4), alone
+    assert any(re.fullmatch(r"commit-w[23]-b\d+-s3", n) for n in names)
+    assert not [e for e in os.listdir("/dev/shm") if job.marker in e]
+
+
+KERAS_EXAMPLE = ROOT / "tests" / "elastic_workers" / "tensorflow2_keras_mnist_elastic.py"
+
+
+def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
+    """``tensorflow2_keras_mnist_elastic.py`` (import changed, Keras 3 renames, local data):
+    ``fit`` with the commit and state callbacks on 2 workers; worker 1 is SIGKILLed in
+    the first epoch, worker 0 resumes from its last commit alone, then two workers join
+    in the next epoch and all 3 end with the same weights."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    (marks / "hold-e0-b4").touch()
+    (marks / "hold-e1-b2").touch()
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--", sys.executable, str(KERAS_EXAMPLE), "30", "3",
+           str(tmp_path)]
+    with Job() as job:
+        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
+        wait_for_marks(str(marks), ["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"], timeout=240)
+        hosts.write_text("localhost:1\n")
+        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        (marks / "hold-e0-b4").unlink()
+        wait_for_marks(str(marks), ["batch-w0-e1-b2-s1"], timeout=240)
+        hosts.write_text("localhost:3\n")
+        wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
+        (marks / "hold-e1-b2").unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    out = launcher.output
+    assert launcher.returncode == 0, out[-4000:]
+    assert not leftovers
+    done = re.findall(r"RESULT rank (\d)/(\d): weights=(\w+)", out)
+    assert sorted((r, n) for r, n, _ in done) == [("0", "3"), ("1", "3"), ("2", "3")], out[-4000:]
+    assert len({d for _, _, d in done}) == 1, done
+    assert re.findall(r"DONE worker \d rank \d/3 epoch 3", out), out[-3000:]
+    names = set(os.listdir(marks))
+    assert any(re.fullmatch(r"batch-w[23]-e2-b\d+-s3", n) for n in names), sorted(names)
