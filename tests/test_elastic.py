@@ -214,3 +214,52 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
     assert re.findall(r"DONE worker \d rank \d/3 epoch 3", out), out[-3000:]
     names = set(os.listdir(marks))
     assert any(re.fullmatch(r"batch-w[23]-e2-b\d+-s3", n) for n in names), sorted(names)
+
+
+DETERMINISTIC = ROOT / "tests" / "elastic_workers" / "deterministic.py"
+
+
+def test_a_job_going_2_1_3_ends_with_the_one_process_weights(tmp_path):
+    """2 workers; one is SIGKILLed after the commit of step 4 (the survivor redoes
+    nothing twice and loses nothing committed); at step 8 two workers join; after 14 steps
+    every rank's weights equal one process's on the whole batches (rel <= 1e-6)."""
+    import numpy as np
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    for step in (4, 8):
+        (marks / f"hold-b{step}").touch()
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--", sys.executable, str(DETERMINISTIC), "14"]
+    with Job() as job:
+        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
+        reference = job.start([sys.executable, str(DETERMINISTIC), "14", "--reference", str(tmp_path / "ref.npz")],
+                              base_env())
+        wait_for_marks(str(marks), ["commit-w0-b4-s2", "commit-w1-b4-s2"], timeout=240)
+        hosts.write_text("localhost:1\n")
+        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        (marks / "hold-b4").unlink()
+        wait_for_marks(str(marks), ["commit-w0-b8-s1"], timeout=240)
+        hosts.write_text("localhost:3\n")
+        wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
+        (marks / "hold-b8").unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    assert launcher.returncode == 0, launcher.output[-4000:]
+    assert reference.returncode == 0, reference.output[-2000:]
+    assert not leftovers
+    names = set(os.listdir(marks))
+    assert "commit-w0-b5-s1" in names and "commit-w0-b14-s3" in names, sorted(names)
+    for worker in (2, 3):   # joined at the first commit after they asked
+        assert any(re.fullmatch(rf"commit-w{worker}-b\d+-s3", n) for n in names), sorted(names)
+    expected = np.load(tmp_path / "ref.npz")
+    for worker in (0, 2, 3):
+        got = np.load(marks / f"final-w{worker}.npz")
+        for key in expected.files:
+            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
+            assert err <= 1e-6, (worker, key, err)

@@ -77,8 +77,10 @@ def test_broadcast_callback_leaves_local_variables(ranks: list[dict]) -> None:
     assert [r["callback"] for r in ranks] == [True, True]
 
 
-def test_elastic_says_not_supported(ranks: list[dict]) -> None:
-    assert "Elastic training (hvd.elastic.KerasState) is not yet supported" in ranks[0]["elastic"]
+def test_elastic_states_sync_restore_and_commit(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["elastic"] == {"keras_sync": True, "keras_restore": True, "keras_commit": True,
+                                     "tf_sync": True, "tf_commit": True}
 
 
 def test_argument_errors() -> None:

@@ -185,15 +185,46 @@ def callback_local_variables(rank: int, size: int) -> bool:
     return all(np.allclose(v.numpy(), rank if any(v is w for w in local) else root) for v in model.variables)
 
 
-def elastic_error() -> str:
-    import hostreduce.horovod.keras as hvd
-    from hostreduce.errors import UnsupportedCallError
+def elastic_state(rank: int) -> dict[str, bool]:
+    """Horovod's ``test_elastic_state`` shapes (``test_tensorflow2_keras.py``'s KerasState and
+    ``test_tensorflow.py``'s TensorFlowState) in a fixed job: sync takes rank 0's values,
+    restore undoes what came after the last commit, commit keeps it."""
+    import tensorflow as tf
 
-    try:
-        hvd.elastic.KerasState
-    except UnsupportedCallError as exc:
-        return str(exc)
-    return ""
+    import hostreduce.horovod as hvd
+    import hostreduce.horovod.keras as hvd_keras
+
+    v = 1.0 if rank == 0 else 2.0
+    model1 = tf.keras.Sequential([tf.keras.layers.Dense(2, activation="softmax")])
+    model1.build((2, 2))
+    model1.set_weights([np.array([[v, v], [v, v]], np.float32), np.array([v, v], np.float32)])
+    other = [np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.array([0.0, 0.0], np.float32)]
+    state = hvd_keras.elastic.KerasState(model1, tf.optimizers.Adam(0.001), batch=20 + rank, epoch=10 + rank)
+    state.sync()
+    synced = model1.get_weights()
+    out = {"keras_sync": all(np.allclose(w, 1.0) for w in synced) and (state.batch, state.epoch) == (20, 10)}
+    model1.set_weights(other)
+    state.batch, state.epoch = 21, 11
+    state.restore()
+    out["keras_restore"] = (all(np.allclose(a, b) for a, b in zip(model1.get_weights(), synced))
+                            and (state.batch, state.epoch) == (20, 10))
+    model1.set_weights(other)
+    state.batch, state.epoch = 21, 11
+    state.commit()
+    state.restore()
+    out["keras_commit"] = (all(np.allclose(a, b) for a, b in zip(model1.get_weights(), other))
+                           and (state.batch, state.epoch) == (21, 11))
+    variables = [tf.Variable(np.full((2, 2), v)), tf.Variable(np.full((2,), v))]
+    tstate = hvd.elastic.TensorFlowState(variables, batch=20 + rank, epoch=10 + rank)
+    tstate.sync()
+    out["tf_sync"] = all(np.allclose(x.numpy(), 1.0) for x in variables) and tstate.batch == 20
+    variables[0].assign(other[0])
+    tstate.batch = 21
+    tstate.commit()
+    variables[0].assign(np.zeros((2, 2)))
+    tstate.restore()
+    out["tf_commit"] = np.allclose(variables[0].numpy(), other[0]) and tstate.batch == 21
+    return out
 
 
 def rank_main(rank: int, size: int) -> dict:
@@ -210,5 +241,5 @@ def rank_main(rank: int, size: int) -> dict:
         "tf1_eager": tf1_eager(rank),
         "tf1_graph": tf1_graph(rank),
         "callback": callback_local_variables(rank, size),
-        "elastic": elastic_error(),
+        "elastic": elastic_state(rank),
     }
