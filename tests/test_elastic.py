@@ -263,3 +263,29 @@ def test_a_job_going_2_1_3_ends_with_the_one_process_weights(tmp_path):
         for key in expected.files:
             err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
             assert err <= 1e-6, (worker, key, err)
+
+
+# ------------------------------------------------------------------ the launcher's options
+def _run_cli(args, capsys):
+    from hostreduce.launch.cli import main
+
+    code = main(["run", *args])
+    return code, capsys.readouterr().err
+
+
+def test_elastic_options_are_checked(tmp_path, capsys):
+    assert _run_cli(["-np", "2", "--min-np", "3", "--", "true"], capsys)[0] == 2
+    code, err = _run_cli(["-np", "2", "--ps", "1", "--min-np", "1", "--", "true"], capsys)
+    assert code == 2 and "--ps and --evaluator cannot be combined" in err and "--min-np" in err
+    script = tmp_path / "hosts.sh"
+    script.write_text("echo localhost:2\n")
+    code, err = _run_cli(["-np", "1", "--host-discovery-script", str(script), "--", "true"], capsys)
+    assert code == 2 and "executable" in err
+    code, err = _run_cli(["-np", "1", "--max-np", "2", "--", "true"], capsys)   # a script that never joins
+    assert code == 0, err
+
+
+def test_an_elastic_job_whose_workers_all_fail_ends_with_their_status(capsys):
+    code, err = _run_cli(["-np", "2", "--min-np", "1", "--", sys.executable, "-c", "raise SystemExit(3)"], capsys)
+    assert code == 3, err
+    assert "worker 0 exited with code 3" in err or "worker 1 exited with code 3" in err

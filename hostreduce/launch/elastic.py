@@ -264,6 +264,11 @@ def run_elastic(
                     return 0
                 continue
             if not running and not discovery_script:
+                # Done: with status 0 if the last epoch's members (every worker, when no
+                # epoch formed) all succeeded.
+                last = job.epochs[-1] if job.epochs else list(job.workers.values())
+                if all(job.workers[m.wid if isinstance(m, _Worker) else m.worker].proc.returncode == 0 for m in last):
+                    return 0
                 final = "every worker has ended"
                 return last_failure or 1
             # New workers on free slots (discovery), up to max_np.
