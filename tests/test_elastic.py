@@ -58,6 +58,42 @@ def test_survivors_keep_their_order_and_newcomers_come_last():
     assert _ready(m.join(3, 0, "h:3"))["rank"] == 2
 
 
+def test_a_place_carries_the_update_count_its_epoch_includes():
+    m = Membership(min_np=1)
+    m.started(0, "h")
+    m.started(1, "h")
+    m.join(0, 0, "h:0")
+    _ready(m.join(1, 0, "h:1"))
+    m.started(2, "h")
+    m.started(3, "h")
+    assert m.join(2, 0, "h:2")["state"] == "wait"    # the members see it at a commit and reset
+    assert m.join(0, 1, "h:0")["state"] == "wait"
+    assert m.join(1, 1, "h:1")["state"] == "wait"
+    place = _ready(m.join(3, 0, "h:3"))              # a second joiner, counted during the reset
+    assert place["size"] == 4 and place["updates"] == m.updates_count() == 2
+
+
+def test_check_host_updates_resets_only_for_joins_after_its_epoch_formed(monkeypatch):
+    from hostreduce.horovod import elastic as hvd_elastic
+    from hostreduce.ops import job as hr_job
+
+    class Client:
+        epoch_updates, count = 2, 2
+
+        def updates(self):
+            return self.count
+
+    client = Client()
+    monkeypatch.setattr(hr_job, "elastic_client", lambda: client)
+    state = hvd_elastic.ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, batch=0)
+    state._known_updates = 1        # it saw the first join at a commit, then the epoch took in both
+    state.check_host_updates()
+    client.count = 3                # a worker asks while the epoch runs
+    with pytest.raises(hvd_elastic.HostsUpdatedInterrupt):
+        state.check_host_updates()
+    state.check_host_updates()
+
+
 def test_a_worker_that_ends_releases_the_others_and_strangers_get_no_place():
     m = Membership(min_np=1)
     m.started(0, "h")
@@ -66,6 +102,19 @@ def test_a_worker_that_ends_releases_the_others_and_strangers_get_no_place():
     m.ended(1)
     assert _ready(m.join(0, 0, "h:0"))["size"] == 1
     assert m.join(7, 0, "h:7")["state"] == "leave"
+
+
+def test_a_retired_worker_leaves_at_the_next_epoch():
+    m = Membership(min_np=1)
+    for w in range(3):
+        m.started(w, "h")
+    for w in range(3):
+        m.join(w, 0, f"h:{w}")
+    m.retire(2)                          # its slot went away: members reset at their next commit
+    assert m.updates_count() == 1 and not m.retired(2)
+    assert m.join(0, 1, "h:0")["state"] == "wait"
+    assert _ready(m.join(1, 1, "h:1"))["size"] == 2
+    assert m.join(2, 1, "h:2")["state"] == "wait" and m.retired(2)   # until the launcher stops it
 
 
 def test_no_epoch_below_min_np():
@@ -219,10 +268,22 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
 DETERMINISTIC = ROOT / "tests" / "elastic_workers" / "deterministic.py"
 
 
-def test_a_job_going_2_1_3_ends_with_the_one_process_weights(tmp_path):
+def _wait_output(worker, text: str, timeout: float = 240.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while text not in worker.output:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{text!r} was not printed within {timeout:g} s")
+        time.sleep(0.01)
+
+
+def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
     """2 workers; one is SIGKILLed after the commit of step 4 (the survivor redoes
-    nothing twice and loses nothing committed); at step 8 two workers join; after 14 steps
-    every rank's weights equal one process's on the whole batches (rel <= 1e-6)."""
+    nothing twice and loses nothing committed); at step 8 two workers join; at step 11
+    the discovery script drops a slot and the newest worker leaves at the next commit;
+    after 14 steps both ranks' weights equal one process's on the whole batches
+    (rel <= 1e-6)."""
     import numpy as np
 
     marks = tmp_path / "marks"
@@ -232,7 +293,7 @@ def test_a_job_going_2_1_3_ends_with_the_one_process_weights(tmp_path):
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
     discover.chmod(0o755)
-    for step in (4, 8):
+    for step in (4, 8, 11):
         (marks / f"hold-b{step}").touch()
     cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
            "--host-discovery-script", str(discover), "--", sys.executable, str(DETERMINISTIC), "14"]
@@ -248,17 +309,24 @@ def test_a_job_going_2_1_3_ends_with_the_one_process_weights(tmp_path):
         hosts.write_text("localhost:3\n")
         wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
         (marks / "hold-b8").unlink()
+        wait_for_marks(str(marks), ["commit-w0-b11-s3", "commit-w2-b11-s3", "commit-w3-b11-s3"], timeout=240)
+        hosts.write_text("localhost:2\n")
+        _wait_output(launcher, "worker 3: its slot left the discovery script's hosts")
+        (marks / "hold-b11").unlink()
         job.wait(300)
         leftovers = job.leftovers()
     assert launcher.returncode == 0, launcher.output[-4000:]
     assert reference.returncode == 0, reference.output[-2000:]
     assert not leftovers
     names = set(os.listdir(marks))
-    assert "commit-w0-b5-s1" in names and "commit-w0-b14-s3" in names, sorted(names)
-    for worker in (2, 3):   # joined at the first commit after they asked
-        assert any(re.fullmatch(rf"commit-w{worker}-b\d+-s3", n) for n in names), sorted(names)
+    assert "commit-w0-b5-s1" in names, sorted(names)
+    # Step 12's commit raised HostsUpdatedInterrupt; the 2 ranks went on with step 13, nothing redone.
+    assert {"commit-w0-b13-s2", "commit-w2-b13-s2", "commit-w0-b14-s2"} <= names, sorted(names)
+    assert not any(re.fullmatch(r"commit-w\d-b12-s\d", n) for n in names), sorted(names)
+    assert not any(re.fullmatch(r"commit-w3-b1[234]-s\d", n) for n in names), sorted(names)
+    assert "Traceback" not in launcher.output.split("worker 3: its slot")[-1], launcher.output[-3000:]
     expected = np.load(tmp_path / "ref.npz")
-    for worker in (0, 2, 3):
+    for worker in (0, 2):
         got = np.load(marks / f"final-w{worker}.npz")
         for key in expected.files:
             err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))

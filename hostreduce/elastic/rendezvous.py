@@ -6,7 +6,8 @@ in rank order, the places asked for the next epoch and an update count. An epoch
 when every running worker has asked for a place in it (and at least ``min_np`` run):
 survivors first, in their old rank order, then joining workers by id. A worker that is
 not a member asking for a place while an epoch runs raises the update count, which
-members read at their next commit and answer by resetting.
+members read at their next commit and answer by resetting; each place carries the
+count at its epoch's forming, which the workers of that epoch already include.
 
 ``RendezvousService`` serves ``Membership`` over one unary gRPC method on the address it
 is told. Before a call is authenticated it costs one bounded message and one of a few
@@ -52,6 +53,7 @@ class Membership:
         self._asked: dict[int, Member] = {}              # places asked for the next epoch
         self._last_rank: dict[int, int] = {}
         self._announced: set[int] = set()                # non-members already counted in `updates`
+        self._retiring: set[int] = set()                 # running, but out of the next epoch
         self.updates = 0
         self.closed = False
 
@@ -63,8 +65,25 @@ class Membership:
     def ended(self, worker: int) -> None:
         with self._lock:
             self._running.pop(worker, None)
+            self._retiring.discard(worker)
             self._asked.pop(worker, None)
             self._form()
+
+    def retire(self, worker: int) -> None:
+        """Leave ``worker`` out of the next epoch (its slot went away): the members reset
+        at their next commit, as for a joiner; when it asks for a place it waits, and the
+        launcher stops it once the epoch formed without it."""
+        with self._lock:
+            if worker in self._running and worker not in self._retiring:
+                self._retiring.add(worker)
+                self._asked.pop(worker, None)
+                self.updates += 1
+                self._form()
+
+    def retired(self, worker: int) -> bool:
+        """Whether ``worker`` was retired and is out of the current epoch (it may stop)."""
+        with self._lock:
+            return worker in self._retiring and worker not in self._assigned
 
     def close(self) -> None:
         with self._lock:
@@ -92,6 +111,8 @@ class Membership:
             host = self._running.get(worker)
             if host is None:
                 return {"state": "leave", "reason": f"worker {worker} is not one of the job's running workers"}
+            if worker in self._retiring:   # the launcher stops it once the next epoch formed without it
+                return {"state": "wait", "epoch": self.epoch}
             if self.epoch > after and worker in self._assigned:
                 return self._assigned[worker]
             self._asked[worker] = Member(worker, host, address)
@@ -104,7 +125,7 @@ class Membership:
             return {"state": "wait", "epoch": self.epoch}
 
     def _form(self) -> None:
-        running = set(self._running)
+        running = set(self._running) - self._retiring
         if self.closed or not running or len(running) < self.min_np or not running <= set(self._asked):
             return
         order = sorted(running, key=lambda w: (0, self._last_rank[w]) if w in self._last_rank else (1, w))
@@ -118,7 +139,7 @@ class Membership:
             same = [i for i, h in enumerate(hosts) if h == m.host]
             self._assigned[m.worker] = {"state": "ready", "epoch": self.epoch, "rank": rank, "size": len(members),
                                         "addresses": addresses, "local_rank": same.index(rank),
-                                        "local_size": len(same)}
+                                        "local_size": len(same), "updates": self.updates}
         self._last_rank = {m.worker: rank for rank, m in enumerate(members)}
         self._asked = {}
         self._announced -= set(self._last_rank)

@@ -84,7 +84,8 @@ class _Worker:
     host: str
     proc: subprocess.Popen
     relays: list[Relay]
-    removed: bool = False    # stopped by the launcher (its slot went away), not failed
+    removed: bool = False    # retired by the launcher (its slot went away): its end is no failure
+    stopping: bool = False
 
 
 class _ElasticJob:
@@ -289,9 +290,16 @@ def run_elastic(
                         for _ in range(min(wanted - len(current), max_np - len(running))):
                             job.start(host)
                     for w in sorted(current, key=lambda w: -w.wid)[:max(0, len(current) - wanted)]:
+                        # The members reset at their next commit without it (nothing lost);
+                        # it is stopped once it is out of the epoch.
                         w.removed = True
-                        message(f"worker {w.wid}: its slot left the discovery script's hosts; stopping it")
-                        job.stop([w], grace_period)
+                        job.membership.retire(w.wid)
+                        message(f"worker {w.wid}: its slot left the discovery script's hosts; it leaves the job "
+                                "at the next commit")
+            for w in list(job.workers.values()):
+                if w.removed and w.proc.poll() is None and job.membership.retired(w.wid) and not w.stopping:
+                    w.stopping = True
+                    threading.Thread(target=job.stop, args=([w], grace_period), daemon=True).start()
             running = job.membership.running()
             if len(running) < min_np:
                 short_since = now if short_since is None else short_since
