@@ -203,7 +203,8 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
         (marks / "hold-b3").unlink()
         wait_for_marks(str(marks), ["commit-w0-b8-s1"], timeout=240)
         hosts.write_text("localhost:3\n")
-        wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
+        _wait_output(launcher, "worker 2 waits to join")
+        _wait_output(launcher, "worker 3 waits to join")
         (marks / "hold-b8").unlink()
         job.wait(300)
         leftovers = job.leftovers()
@@ -250,7 +251,8 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
         (marks / "hold-e0-b4").unlink()
         wait_for_marks(str(marks), ["batch-w0-e1-b2-s1"], timeout=240)
         hosts.write_text("localhost:3\n")
-        wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
+        _wait_output(launcher, "worker 2 waits to join")
+        _wait_output(launcher, "worker 3 waits to join")
         (marks / "hold-e1-b2").unlink()
         job.wait(300)
         leftovers = job.leftovers()
@@ -307,7 +309,8 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
         (marks / "hold-b4").unlink()
         wait_for_marks(str(marks), ["commit-w0-b8-s1"], timeout=240)
         hosts.write_text("localhost:3\n")
-        wait_for_marks(str(marks), ["started-w2", "started-w3"], timeout=240)
+        _wait_output(launcher, "worker 2 waits to join")
+        _wait_output(launcher, "worker 3 waits to join")
         (marks / "hold-b8").unlink()
         wait_for_marks(str(marks), ["commit-w0-b11-s3", "commit-w2-b11-s3", "commit-w3-b11-s3"], timeout=240)
         hosts.write_text("localhost:2\n")
@@ -357,3 +360,69 @@ def test_an_elastic_job_whose_workers_all_fail_ends_with_their_status(capsys):
     code, err = _run_cli(["-np", "2", "--min-np", "1", "--", sys.executable, "-c", "raise SystemExit(3)"], capsys)
     assert code == 3, err
     assert "worker 0 exited with code 3" in err or "worker 1 exited with code 3" in err
+
+
+# ------------------------------------------------------------------ workers on other hosts
+def _netns():
+    from benchmarks import netcluster
+
+    return netcluster
+
+
+def test_workers_on_other_hosts_start_through_the_agent_fail_and_join(tmp_path):
+    """Hosts as network namespaces (``benchmarks/netcluster.py``, its ``rsh`` as the
+    remote-shell agent): the launcher runs on the first with one worker; the discovery
+    script adds the second host's worker; it is SIGKILLed and worker 0 goes on alone;
+    the third host's worker joins; the job ends with one process's weights, and the
+    secret never appears on a command line."""
+    import numpy as np
+
+    nc = _netns()
+    usable, why = nc.netns_usable()
+    if not usable:
+        pytest.skip(f"`ip netns` is not usable here: {why}")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hosts = tmp_path / "hosts"
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    for step in (3, 6):
+        (marks / f"hold-b{step}").touch()
+    secret = "elastic-test-" + os.urandom(8).hex()
+    with nc.NetCluster(3, rate="10gbit") as cluster, Job() as job:
+        a = cluster.addresses
+        hosts.write_text(f"{a[0]}:1\n{a[1]}:1\n")
+        agent = f"{sys.executable} {ROOT / 'benchmarks' / 'netcluster.py'} rsh"
+        cmd = cluster.exec_argv(0, [sys.executable, "-m", "hostreduce", "run", "-np", "1", "--min-np", "1",
+                                    "--max-np", "3", "--host", a[0], "--ssh-command", agent,
+                                    "--host-discovery-script", str(discover), "--", sys.executable,
+                                    str(DETERMINISTIC), "9"])
+        env = base_env(HR_ELASTIC_MARKS=str(marks), HOSTREDUCE_SECRET=secret, **cluster.hosts_env())
+        launcher = job.start(cmd, env)
+        reference = job.start([sys.executable, str(DETERMINISTIC), "9", "--reference", str(tmp_path / "ref.npz")],
+                              base_env())
+        wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
+        lines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in job.leftovers() if Path(f"/proc/{p}").exists()]
+        assert lines and not any(secret.encode() in line for line in lines)
+        hosts.write_text(f"{a[0]}:1\n")
+        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        (marks / "hold-b3").unlink()
+        wait_for_marks(str(marks), ["commit-w0-b6-s1"], timeout=240)
+        hosts.write_text(f"{a[0]}:1\n{a[2]}:1\n")
+        _wait_output(launcher, "worker 2 waits to join")
+        (marks / "hold-b6").unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    assert launcher.returncode == 0, launcher.output[-4000:]
+    assert reference.returncode == 0, reference.output[-2000:]
+    assert not leftovers
+    names = set(os.listdir(marks))
+    # Step 7's commit let worker 2 in (HostsUpdatedInterrupt): step 8 ran on 2 ranks.
+    assert {"commit-w0-b4-s1", "commit-w0-b8-s2", "commit-w2-b8-s2", "commit-w2-b9-s2"} <= names, sorted(names)
+    expected = np.load(tmp_path / "ref.npz")
+    for worker in (0, 2):
+        got = np.load(marks / f"final-w{worker}.npz")
+        for key in expected.files:
+            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
+            assert err <= 1e-6, (worker, key, err)

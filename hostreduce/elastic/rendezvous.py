@@ -42,9 +42,10 @@ class Member:
 class Membership:
     """The members of each epoch of one elastic job (thread-safe)."""
 
-    def __init__(self, min_np: int, on_epoch: Callable[[int, list[Member]], None] | None = None) -> None:
+    def __init__(self, min_np: int, on_epoch: Callable[[int, list[Member]], None] | None = None,
+                 on_ask: Callable[[int], None] | None = None) -> None:
         self.min_np = min_np
-        self._on_epoch = on_epoch
+        self._on_epoch, self._on_ask = on_epoch, on_ask
         self._lock = threading.Lock()
         self.epoch = 0
         self.members: list[Member] = []
@@ -119,6 +120,8 @@ class Membership:
             if self.epoch and worker not in self._assigned and worker not in self._announced:
                 self._announced.add(worker)
                 self.updates += 1
+                if self._on_ask is not None:
+                    self._on_ask(worker)
             self._form()
             if self.epoch > after and worker in self._assigned:
                 return self._assigned[worker]

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                          default=None, metavar="SECONDS",
                          help="how long the job waits for --min-np workers, and for every worker at a rendezvous "
                               "(default: 600)")
+    elastic.add_argument("--ssh-command", dest="ssh_command", default=None, metavar="AGENT",
+                         help="how workers start on other hosts of the discovery script: AGENT HOST COMMAND "
+                              "(default: 'ssh -o BatchMode=yes'; they must reach --host)")
     elastic.add_argument("--blacklist-after", dest="blacklist_after", type=_num_workers, default=None, metavar="K",
                          help="start no new worker on a host whose workers failed K times (default: 3)")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -125,14 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         sys.stderr.write("hostreduce run: error: COMMAND is required. Received: no command after the options\n")
         return _USAGE_EXIT_CODE
-    elastic = [f for f in ("min_np", "max_np", "discovery_script", "reset_limit", "elastic_timeout", "blacklist_after")
+    elastic = [f for f in ("min_np", "max_np", "discovery_script", "reset_limit", "elastic_timeout", "blacklist_after",
+                           "ssh_command")
                if getattr(args, f) is not None]
     try:
         if elastic:
             if args.num_ps or args.evaluator:
                 raise ValueError("--ps and --evaluator cannot be combined with the elastic options. Received: "
                                  + ", ".join("--" + f.replace("_", "-") for f in elastic))
-            from .elastic import BLACKLIST_AFTER, ELASTIC_TIMEOUT_S, run_elastic
+            from .elastic import BLACKLIST_AFTER, ELASTIC_TIMEOUT_S, SSH_COMMAND, run_elastic
 
             max_np = args.max_np or (sys.maxsize if args.discovery_script else args.num_workers)
             return run_elastic(
@@ -144,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reset_limit=args.reset_limit,
                 elastic_timeout=args.elastic_timeout or ELASTIC_TIMEOUT_S,
                 blacklist_after=args.blacklist_after or BLACKLIST_AFTER,
+                ssh_command=args.ssh_command or SSH_COMMAND,
                 timeout=args.timeout,
                 prefix=args.prefix,
                 host=args.host,

@@ -11,8 +11,13 @@ workers. The job ends with status 0 when the members of its last epoch all finis
 and fails when fewer than ``--min-np`` workers are left and none can be started within
 ``--elastic-timeout``, or after ``--reset-limit`` resets.
 
-Workers run on this machine; a discovery script that names another host is told so
-once, and that host is left out.
+Workers on this machine (the discovery script's ``localhost``, this machine's names, or
+``--host``) are started directly; on another host through a remote-shell agent
+(``--ssh-command``, default ``ssh -o BatchMode=yes``, called as ``AGENT HOST COMMAND``
+as ``horovodrun`` and mpirun call ssh), in the launcher's working directory, with its
+environment passed on the command line and the job's secret on the agent's standard
+input. Remote workers must reach the rendezvous service, so ``--host`` must then be an
+address of this machine that they can reach (not a loopback address).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import dataclasses
 import os
 import queue
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,12 +42,14 @@ from ..errors import ConfigError
 from ..processes import exit_code, stop_groups
 from .runner import GRACE_PERIOD_S, STOP_SIGNALS, TIMEOUT_EXIT_CODE, Relay, merge_env, message
 
-__all__ = ["run_elastic", "parse_discovery", "DISCOVERY_EVERY_S", "ELASTIC_TIMEOUT_S"]
+__all__ = ["run_elastic", "parse_discovery", "remote_command", "DISCOVERY_EVERY_S", "ELASTIC_TIMEOUT_S",
+           "SSH_COMMAND"]
 
 DISCOVERY_EVERY_S = 1.0
 DISCOVERY_TIMEOUT_S = 10.0
 ELASTIC_TIMEOUT_S = 600.0
 BLACKLIST_AFTER = 3
+SSH_COMMAND = "ssh -o BatchMode=yes"
 _SECRET_VAR = "HOSTREDUCE_SECRET"
 
 
@@ -68,6 +76,22 @@ def parse_discovery(text: str) -> dict[str, int]:
     return hosts
 
 
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+# Not passed to workers on other hosts: they describe this machine's session.
+_LOCAL_ONLY = {"HOME", "PWD", "OLDPWD", "SHELL", "SHLVL", "TERM", "DISPLAY", "USER", "LOGNAME", "HOSTNAME", "TMPDIR",
+               "SSH_AUTH_SOCK", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "_", "LS_COLORS", _SECRET_VAR}
+
+
+def remote_command(command: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
+    """The shell command a worker on another host runs (given to the remote-shell agent
+    after the host): it reads the job's secret from its standard input, goes to ``cwd``,
+    and runs ``command`` with ``env`` (less what describes this machine's session)."""
+    assigns = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
+               if k not in _LOCAL_ONLY and k.replace("_", "a").isalnum() and not k[:1].isdigit()]
+    return (f"read -r {_SECRET_VAR} && export {_SECRET_VAR} && cd {shlex.quote(cwd)} && exec env "
+            + " ".join(assigns) + " " + " ".join(shlex.quote(c) for c in command))
+
+
 def _local_names(host: str) -> set[str]:
     names = {"localhost", "127.0.0.1", "::1", host}
     try:
@@ -90,31 +114,51 @@ class _Worker:
 
 class _ElasticJob:
     def __init__(self, command: list[str], base: dict[str, str], secret: str, host: str, min_np: int,
-                 max_np: int, prefix: bool, verbose: bool, elastic_timeout: float) -> None:
+                 max_np: int, prefix: bool, verbose: bool, elastic_timeout: float, ssh: list[str]) -> None:
         self.command, self.base, self.secret, self.host = command, base, secret, host
-        self.elastic_timeout = elastic_timeout
+        self.elastic_timeout, self.ssh = elastic_timeout, ssh
         self.min_np, self.max_np, self.prefix, self.verbose = min_np, max_np, prefix, verbose
         self.workers: dict[int, _Worker] = {}
         self.exits: "queue.Queue[tuple[int, int]]" = queue.Queue()
         self.next_id = 0
         self.out_lock, self.err_lock = threading.Lock(), threading.Lock()
         self.epochs: list[list[Member]] = []
-        self.membership = Membership(min_np, on_epoch=lambda _e, members: self.epochs.append(list(members)))
+        self.membership = Membership(min_np, on_epoch=self._epoch_formed, on_ask=lambda w: message(
+            f"worker {w} waits to join; the members take it in at their next commit"))
         self.service = RendezvousService(self.membership, secret, host)
+
+    def _epoch_formed(self, epoch: int, members: list[Member]) -> None:
+        self.epochs.append(list(members))
+        if epoch > 1:
+            message(f"epoch {epoch}: {len(members)} worker(s), ids {', '.join(str(m.worker) for m in members)} "
+                    "in rank order")
 
     def running_on(self, host: str) -> list[_Worker]:
         return [w for w in self.workers.values() if w.host == host and w.proc.poll() is None and not w.removed]
 
     def start(self, host: str) -> None:
+        """Start a worker on ``host``: this machine's (``self.host``) directly, another
+        through the remote-shell agent."""
         wid = self.next_id
         self.next_id += 1
         env = {k: v for k, v in self.base.items() if k not in HOROVOD_VARIABLES and k != TF_CONFIG}
         env.update({_SECRET_VAR: self.secret, ELASTIC_ADDRESS_VAR: self.service.address,
-                    ELASTIC_WORKER_VAR: str(wid), ELASTIC_HOST_VAR: self.host,
+                    ELASTIC_WORKER_VAR: str(wid), ELASTIC_HOST_VAR: host,
                     ELASTIC_TIMEOUT_VAR: repr(self.elastic_timeout)})
         pipe = subprocess.PIPE if self.prefix else None
-        proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
-                                start_new_session=True)
+        if host == self.host:
+            proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
+                                    start_new_session=True)
+        else:
+            proc = subprocess.Popen([*self.ssh, host, remote_command(self.command, env, os.getcwd())],
+                                    env=self.base, stdin=subprocess.PIPE, stdout=pipe, stderr=pipe,
+                                    start_new_session=True)
+            try:  # the secret on the agent's stdin, never on a command line
+                assert proc.stdin is not None
+                proc.stdin.write(self.secret.encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                pass   # the agent failed at once: its exit is the worker's failure
         relays: list[Relay] = []
         if self.prefix:
             tag = f"[{wid}] ".encode()
@@ -168,6 +212,7 @@ def run_elastic(
     reset_limit: int | None = None,
     elastic_timeout: float = ELASTIC_TIMEOUT_S,
     blacklist_after: int = BLACKLIST_AFTER,
+    ssh_command: str = SSH_COMMAND,
     env: Mapping[str, str | None] | None = None,
     timeout: float | None = None,
     prefix: bool = True,
@@ -176,7 +221,8 @@ def run_elastic(
     verbose: bool = False,
 ) -> int:
     """Run ``command`` as an elastic job of ``num_workers`` local workers to start with,
-    between ``min_np`` and ``max_np`` while it runs (module docstring). Returns 0 when the
+    between ``min_np`` and ``max_np`` while it runs (module docstring); ``ssh_command``
+    starts workers on other hosts. Returns 0 when the
     members of the last epoch all succeeded, else the status of the last failure (124
     on ``timeout``, 128 + signal when interrupted)."""
     for name, value in (("num_workers", num_workers), ("min_np", min_np), ("max_np", max_np),
@@ -206,7 +252,8 @@ def run_elastic(
                 continue
             previous[signum] = signal.signal(signum, lambda s, _f: received.append(s))
 
-    job = _ElasticJob(list(command), base, secret, host, min_np, max_np, prefix, verbose, elastic_timeout)
+    job = _ElasticJob(list(command), base, secret, host, min_np, max_np, prefix, verbose, elastic_timeout,
+                      shlex.split(ssh_command))
     local = _local_names(host)
     failures: dict[str, int] = {}
     blacklisted: set[str] = set()
@@ -279,23 +326,31 @@ def run_elastic(
                 if isinstance(found, str):
                     message(f"the host discovery script failed: {found}")
                 else:
-                    for name in found:
-                        if name not in local and name not in told_remote:
-                            told_remote.add(name)
-                            message(f"host {name!r} from the discovery script is not this machine; workers on "
-                                    "other hosts are not supported yet, so it is left out")
-                    wanted = sum(slots for name, slots in found.items() if name in local)
-                    current = job.running_on(host)
-                    if host not in blacklisted:
-                        for _ in range(min(wanted - len(current), max_np - len(running))):
-                            job.start(host)
-                    for w in sorted(current, key=lambda w: -w.wid)[:max(0, len(current) - wanted)]:
-                        # The members reset at their next commit without it (nothing lost);
-                        # it is stopped once it is out of the epoch.
-                        w.removed = True
-                        job.membership.retire(w.wid)
-                        message(f"worker {w.wid}: its slot left the discovery script's hosts; it leaves the job "
-                                "at the next commit")
+                    slots_of: dict[str, int] = {}
+                    for name, slots in found.items():
+                        where = host if name in local else name
+                        if where != host and host in _LOOPBACK:
+                            if name not in told_remote:
+                                told_remote.add(name)
+                                message(f"host {name!r} from the discovery script is not this machine, and workers "
+                                        f"there cannot reach the launcher at --host {host}: give --host an address "
+                                        "of this machine that they can reach; left out")
+                            continue
+                        slots_of[where] = slots_of.get(where, 0) + slots
+                    room = max_np - len(running)
+                    for where in sorted({host, *slots_of, *(w.host for w in job.workers.values())}):
+                        wanted, current = slots_of.get(where, 0), job.running_on(where)
+                        if where not in blacklisted:
+                            for _ in range(max(0, min(wanted - len(current), room))):
+                                job.start(where)
+                                room -= 1
+                        for w in sorted(current, key=lambda w: -w.wid)[:max(0, len(current) - wanted)]:
+                            # The members reset at their next commit without it (nothing lost);
+                            # it is stopped once it is out of the epoch.
+                            w.removed = True
+                            job.membership.retire(w.wid)
+                            message(f"worker {w.wid}: its slot left the discovery script's hosts; it leaves the job "
+                                    "at the next commit")
             for w in list(job.workers.values()):
                 if w.removed and w.proc.poll() is None and job.membership.retired(w.wid) and not w.stopping:
                     w.stopping = True
