@@ -183,3 +183,29 @@ def test_checkpoints_quick_times_training_with_and_without_saves(tmp_path: Path)
     assert every2["checkpoint_bytes"] > every2["input_bytes"] > 0
     assert "saves" not in rows["none"]
     assert "every2" in proc.stdout
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(180)
+def test_elastic_quick_times_commits_and_resets_and_runs_a_trial(tmp_path: Path) -> None:
+    proc = _run("elastic.py", tmp_path, timeout=160)
+    result = json.loads((tmp_path / "elastic.json").read_text())
+    assert (tmp_path / "elastic.png").stat().st_size > 0
+    assert result["runs"]["commit/mnist"]["status"] == "ok"
+    m = result["commit"]["mnist"]
+    assert set(m["ranks"]) == {"0", "1"} and m["parameters"] > 0
+    for r in m["ranks"].values():
+        assert r["commits"] == 5 and len(r["raw_ms"]["commit"]) == 5
+        assert r["commit"]["median_ms"] >= r["save"]["median_ms"] > 0 and r["check"]["median_ms"] > 0
+        assert r["step_ratio"] > 0
+    assert m["ranks"]["0"]["ask"]["median_ms"] > 0 and "ask" not in m["ranks"]["1"]   # rank 0 asks the launcher
+    assert m["kill"]["kill_to_first_commit_ms"] > m["kill"]["rendezvous_ring_ms"] > 0
+    joiners = m["grow"]["joiners"]
+    assert set(joiners) == {"2", "3"}
+    assert all(j["start_to_commit_at_3_ms"] > j["join_to_commit_at_3_ms"] > 0 for j in joiners.values())
+    # Both joins were counted before the epoch of 3 formed: the survivor resets once for them.
+    assert m["grow"]["resets_noticed_by_survivor_after_growth"] == 1
+    assert m["final"] == {"size": 3, "digests_equal": True, "ranks": [0, 1, 2]}
+    (trial,) = result["trials"]
+    assert trial["passed"] and all(trial["checks"].values()), trial.get("error")
+    assert "trials: 1/1 passed, hangs: 0" in proc.stdout

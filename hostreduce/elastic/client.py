@@ -39,6 +39,7 @@ class RendezvousClient:
         self._channel = grpc.insecure_channel(address, options=grpc_options(CALL_TIMEOUT_S, wire.MAX_MESSAGE_BYTES))
         self._call = self._channel.unary_unary(wire.METHOD)
         self.epoch = 0   # the last epoch this worker had a place in
+        self.epoch_updates = 0   # the update count when that epoch formed (its joiners are in it)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "RendezvousClient | None":
@@ -85,13 +86,14 @@ class RendezvousClient:
     def _spec(self, reply: dict[str, Any]) -> ClusterSpec:
         try:
             epoch, rank, size = int(reply["epoch"]), int(reply["rank"]), int(reply["size"])
+            epoch_updates = int(reply.get("updates", 0))
             addresses = tuple(str(a) for a in reply["addresses"])
             spec = ClusterSpec(rank=rank, size=size, local_rank=int(reply["local_rank"]),
                                local_size=int(reply["local_size"]), addresses=addresses, task_type="worker",
                                task_index=rank, source="elastic", worker_addresses=addresses)
         except (KeyError, TypeError, ValueError, ClusterError) as e:
             raise WireError(f"Elastic worker {self.worker}: malformed place {reply!r} ({e})") from None
-        self.epoch = epoch
+        self.epoch, self.epoch_updates = epoch, epoch_updates
         log.info("elastic worker %d: epoch %d, rank %d of %d", self.worker, epoch, rank, size)
         return spec
 

@@ -38,6 +38,12 @@ def _updates() -> int:
     return 0 if client is None else client.updates()
 
 
+def _epoch_updates() -> int:
+    """That count when the current epoch formed: the workers it counts are members."""
+    client = _job.elastic_client()
+    return 0 if client is None else client.epoch_updates
+
+
 class State:
     """What an elastic job keeps across resets (Horovod's ``horovod.common.elastic.State``).
 
@@ -71,6 +77,10 @@ class State:
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every worker, together, if workers wait
         to join (rank 0 asks the launcher; every rank takes its answer)."""
+        if self._rank() == 0:
+            # Joins counted before this epoch formed are in it (it may have formed after a
+            # reset that began before those joins were seen at a commit).
+            self._known_updates = max(self._known_updates, _epoch_updates())
         seen = _updates() if self._rank() == 0 else 0
         previous, now = self._bcast_object((self._known_updates, seen))
         self._known_updates = now
