@@ -295,7 +295,6 @@ import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -756,7 +755,7 @@ def run_trial(index: int, seed: int, root: Path, args: argparse.Namespace) -> di
         (job.marks / f"hold-b{ev['batch']}").touch()
     shm_before = shm_entries()
     trial: dict[str, Any] = {"trial": index, "seed": seed, "schedule": schedule, "events": []}
-    members, next_id, outcome = [0, 1], 2, "ok"
+    next_id, outcome = 2, "ok"
     alive_ids = {0, 1}
     job.start()
     try:

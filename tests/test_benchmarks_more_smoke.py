@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-def _run(script: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+def _run(script: str, out: Path, timeout: float, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out)], cwd=str(ROOT),
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *extra, "--out", str(out)], cwd=str(ROOT),
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
@@ -187,8 +187,9 @@ def test_checkpoints_quick_times_training_with_and_without_saves(tmp_path: Path)
 
 @pytest.mark.tf
 @pytest.mark.timeout(180)
-def test_elastic_quick_times_commits_and_resets_and_runs_a_trial(tmp_path: Path) -> None:
-    proc = _run("elastic.py", tmp_path, timeout=160)
+def test_elastic_quick_times_commits_and_resets(tmp_path: Path) -> None:
+    # No random trial here: tests/test_elastic.py runs the same example through kills and joins.
+    _run("elastic.py", tmp_path, 160, "--trials", "0")
     result = json.loads((tmp_path / "elastic.json").read_text())
     assert (tmp_path / "elastic.png").stat().st_size > 0
     assert result["runs"]["commit/mnist"]["status"] == "ok"
@@ -206,6 +207,4 @@ def test_elastic_quick_times_commits_and_resets_and_runs_a_trial(tmp_path: Path)
     # Both joins were counted before the epoch of 3 formed: the survivor resets once for them.
     assert m["grow"]["resets_noticed_by_survivor_after_growth"] == 1
     assert m["final"] == {"size": 3, "digests_equal": True, "ranks": [0, 1, 2]}
-    (trial,) = result["trials"]
-    assert trial["passed"] and all(trial["checks"].values()), trial.get("error")
-    assert "trials: 1/1 passed, hangs: 0" in proc.stdout
+    assert result["trials"] == []
