@@ -156,11 +156,15 @@ def test_rendezvous_service_refuses_strangers_and_answers_members(caplog):
             assert m.waiting() == [] and m.epoch == 0     # nothing a stranger sent changed the membership
             data, nonce = wire.seal_request("s3cret", {"op": "join", "worker": 0, "after": 0,
                                                        "address": "127.0.0.1:9"})
-            reply = wire.open_reply("s3cret", nonce, call(data, timeout=10))
+            raw = call(data, timeout=10)
+            reply = wire.open_reply("s3cret", nonce, raw)
             assert reply["state"] == "ready" and reply["addresses"] == ["127.0.0.1:9"]
             with pytest.raises(WireError):   # a reply is good for its own request only
-                wire.open_reply("s3cret", "0" * 32, call(data, timeout=10))
-        assert service.refusals.count == 5
+                wire.open_reply("s3cret", "0" * 32, raw)
+            with pytest.raises(grpc.RpcError) as info:   # a recorded request sent again
+                call(data, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "replayed" in info.value.details()
+        assert service.refusals.count == 6
     finally:
         service.stop()
 

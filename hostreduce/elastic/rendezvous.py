@@ -11,14 +11,16 @@ count at its epoch's forming, which the workers of that epoch already include.
 
 ``RendezvousService`` serves ``Membership`` over one unary gRPC method on the address it
 is told. Before a call is authenticated it costs one bounded message and one of a few
-threads; a call that fails authentication or is malformed is refused, logged, and
-changes nothing.
+threads; a call that fails authentication, is malformed or is a replay of an earlier
+request (its nonce seen before) is refused, logged, and changes nothing.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -155,6 +157,29 @@ class Membership:
             return self.updates
 
 
+class _SeenNonces:
+    """The nonces of the requests served in the last ``ttl_s`` (at most ``limit``): a
+    request whose nonce is among them is a replay. Past the limit the oldest are
+    forgotten; a worker polls about 20 times a second, so the limit spans minutes."""
+
+    def __init__(self, ttl_s: float = 600.0, limit: int = 200_000) -> None:
+        self._ttl, self._limit = ttl_s, limit
+        self._seen: dict[str, float] = {}
+        self._order: "collections.deque[tuple[float, str]]" = collections.deque()
+        self._lock = threading.Lock()
+
+    def fresh(self, nonce: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            while self._order and (now - self._order[0][0] > self._ttl or len(self._order) >= self._limit):
+                self._seen.pop(self._order.popleft()[1], None)
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = now
+            self._order.append((now, nonce))
+            return True
+
+
 class RendezvousService:
     """The gRPC face of a ``Membership``, bound to ``host`` (port chosen by the system)."""
 
@@ -164,6 +189,7 @@ class RendezvousService:
         self._membership = membership
         self._secret = secret
         self.refusals = Refusals(-1, name="the elastic rendezvous service", logger=log, every_s=10.0)
+        self._nonces = _SeenNonces()
         options = grpc_options(10.0, max_receive_bytes=wire.MAX_MESSAGE_BYTES)
         self._server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="hr-elastic"),
                                    options=options, maximum_concurrent_rpcs=64)
@@ -190,6 +216,10 @@ class RendezvousService:
             req = wire.open_request(self._secret, request)
         except WireError as e:
             return self._refuse(context, str(e))
+        if not self._nonces.fresh(req["nonce"]):
+            # A recorded request sent again (the channel is plain text) could put a
+            # worker's old address into the next epoch: each request counts once.
+            return self._refuse(context, "replayed request")
         op, worker = req.get("op"), req.get("worker")
         if not isinstance(worker, int) or isinstance(worker, bool) or worker < 0:
             return self._refuse(context, f"invalid worker {short(worker)}")
