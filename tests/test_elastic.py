@@ -183,10 +183,11 @@ def _pid_of(job: Job, worker: int) -> int:
 
 
 def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
-    """``tensorflow2_mnist_elastic.py`` (import changed, local data) on 2 workers: worker 1
-    is SIGKILLed mid-epoch and worker 0 goes on alone from its last commit; then the
-    discovery script offers 3 slots, two workers join at a commit, and the job ends with
-    the same weights on all 3 ranks, every process gone."""
+    """``tensorflow2_mnist_elastic.py`` (import changed, local data) on 2 workers: worker 0,
+    rank 0, is SIGKILLed mid-epoch and worker 1 goes on alone from its last commit as rank
+    0; then the discovery script offers 3 slots, two workers join at a commit, and the job
+    ends with the same weights on all 3 ranks, the example's checkpoint written by the
+    rank 0 of the last epoch, every process gone."""
     marks = tmp_path / "marks"
     marks.mkdir()
     hosts = tmp_path / "hosts"
@@ -203,9 +204,9 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
         hosts.write_text("localhost:1\n")       # the slot goes with the worker
-        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        os.kill(_pid_of(job, 0), signal.SIGKILL)
         (marks / "hold-b3").unlink()
-        wait_for_marks(str(marks), ["commit-w0-b8-s1"], timeout=240)
+        wait_for_marks(str(marks), ["commit-w1-b8-s1"], timeout=240)
         hosts.write_text("localhost:3\n")
         _wait_output(launcher, "worker 2 waits to join")
         _wait_output(launcher, "worker 3 waits to join")
@@ -215,13 +216,15 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     out = launcher.output
     assert launcher.returncode == 0, out[-4000:]
     assert not leftovers
-    assert "worker 1 was killed by SIGKILL" in out
+    assert "worker 0 was killed by SIGKILL" in out
+    assert re.search(r"\[1\] DONE worker 1 rank 0/3", out), out[-3000:]   # the chief's role moved to worker 1
+    assert (tmp_path / "ckpt-1.index").exists(), sorted(os.listdir(tmp_path))
     done = re.findall(r"RESULT rank (\d)/(\d): weights=(\w+)", out)
     assert sorted((r, n) for r, n, _ in done) == [("0", "3"), ("1", "3"), ("2", "3")], out[-4000:]
     assert len({d for _, _, d in done}) == 1, done
     names = set(os.listdir(marks))
-    # Worker 0 went on alone from its last commit: at most the step in flight was lost.
-    alone = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"commit-w0-b(\d+)-s1", n)))
+    # Worker 1 went on alone from its last commit: at most the step in flight was lost.
+    alone = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"commit-w1-b(\d+)-s1", n)))
     assert alone and alone[0] in (3, 4), alone
     assert any(re.fullmatch(r"commit-w[23]-b\d+-s3", n) for n in names)
     assert not [e for e in os.listdir("/dev/shm") if job.marker in e]
@@ -430,3 +433,32 @@ def test_workers_on_other_hosts_start_through_the_agent_fail_and_join(tmp_path):
         for key in expected.files:
             err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
             assert err <= 1e-6, (worker, key, err)
+
+
+def test_a_host_whose_workers_keep_failing_is_blacklisted(tmp_path, capsys):
+    """Workers that fail at once are started again on their slots until their host has
+    failed --blacklist-after times; then none starts there, and with fewer than --min-np
+    left the job ends after --elastic-timeout, with the workers' status."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:1\n")
+    discover.chmod(0o755)
+    code, err = _run_cli(["-np", "1", "--min-np", "1", "--max-np", "1", "--host-discovery-script", str(discover),
+                          "--blacklist-after", "2", "--elastic-timeout", "2", "--",
+                          sys.executable, "-c", "raise SystemExit(5)"], capsys)
+    assert code == 5, err
+    assert "host 127.0.0.1 is blacklisted: its workers failed 2 times" in err
+    assert "fewer than --min-np 1, and none could be started within 2 s" in err
+    assert "worker 2 " not in err       # no third start on the blacklisted host
+
+
+def test_the_reset_limit_ends_a_job_that_keeps_resetting(tmp_path, capsys):
+    """Every worker joins an epoch and fails; the discovery script's slots bring new ones,
+    forming another epoch: past --reset-limit the job fails, saying so."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    worker = "import sys, hostreduce.horovod as hvd\nhvd.init()\nsys.exit(4)\n"
+    code, err = _run_cli(["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", str(discover),
+                          "--reset-limit", "1", "--blacklist-after", "9", "--", sys.executable, "-c", worker], capsys)
+    assert code == 4, err
+    assert "more than --reset-limit 1" in err

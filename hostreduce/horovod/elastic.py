@@ -250,6 +250,25 @@ def _lost_membership(exc: BaseException) -> bool:
     return failure is not None
 
 
+_told = False
+
+
+def _say_if_not_elastic() -> None:
+    """Say once why a job that is not elastic will not survive a lost worker."""
+    global _told
+    if _told or _job.elastic_client() is not None:
+        return
+    _told = True
+    import os
+
+    from ..cluster.mpi_env import spec_from_mpi_env
+
+    how = ("under mpirun the job's processes are fixed (elastic jobs need the ring)"
+           if spec_from_mpi_env(os.environ) is not None else "the job was not started with --min-np/--max-np")
+    log.warning("hvd.elastic.run: this job is not elastic (%s): a lost worker ends it. Start it with "
+                "`hostreduce run -np N --min-np A --max-np B` to go on without lost workers.", how)
+
+
 def _reset() -> None:
     shutdown()
     init()
@@ -267,6 +286,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        _say_if_not_elastic()
         skip_sync = False
         while True:
             try:
