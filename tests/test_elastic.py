@@ -462,3 +462,29 @@ def test_the_reset_limit_ends_a_job_that_keeps_resetting(tmp_path, capsys):
                           "--reset-limit", "1", "--blacklist-after", "9", "--", sys.executable, "-c", worker], capsys)
     assert code == 4, err
     assert "more than --reset-limit 1" in err
+
+
+def test_host_resident_optimizer_slots_are_part_of_the_state():
+    """With ``DistributedOptimizer(..., variables_on_host=True)`` the Adam slots live on the
+    host; ``KerasState`` saves them at commit and puts them back at restore."""
+    np = pytest.importorskip("numpy")
+    tf = pytest.importorskip("tensorflow")
+    import hostreduce.horovod.keras as hvd
+
+    hvd.init()
+    model = tf.keras.Sequential([tf.keras.layers.Dense(3)])
+    model.build((None, 4))
+    model.compile(loss="mse", optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01),
+                                                                  variables_on_host=True))
+    x = np.ones((8, 4), np.float32)
+    model.fit(x, np.ones((8, 3), np.float32), epochs=1, verbose=0)
+    state = hvd.elastic.KerasState(model, batch=3)
+    slots = [v for v in model.optimizer.variables if "momentum" in v.path or "velocity" in v.path]
+    assert len(slots) == 4 and all("CPU" in v.value.device for v in slots)
+    committed = [v.numpy().copy() for v in model.optimizer.variables + model.variables]
+    model.fit(x, np.zeros((8, 3), np.float32), epochs=1, verbose=0)
+    state.batch = 4
+    assert not all(np.array_equal(a, v.numpy()) for a, v in zip(committed, model.optimizer.variables))
+    state.restore()
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(committed, model.optimizer.variables + model.variables))
+    assert state.batch == 3
