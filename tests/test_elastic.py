@@ -86,7 +86,10 @@ def test_check_host_updates_resets_only_for_joins_after_its_epoch_formed(monkeyp
     client = Client()
     monkeypatch.setattr(hr_job, "elastic_client", lambda: client)
     state = hvd_elastic.ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, batch=0)
-    state._known_updates = 1        # it saw the first join at a commit, then the epoch took in both
+    client.epoch_updates, client.count = 0, 1
+    with pytest.raises(hvd_elastic.HostsUpdatedInterrupt):   # it sees the first join at a commit
+        state.check_host_updates()
+    client.epoch_updates, client.count = 2, 2   # the next epoch took in that joiner and a second one
     state.check_host_updates()
     client.count = 3                # a worker asks while the epoch runs
     with pytest.raises(hvd_elastic.HostsUpdatedInterrupt):
@@ -133,40 +136,62 @@ def test_discovery_output():
 
 
 # ------------------------------------------------------------------ the service
-def test_rendezvous_service_refuses_strangers_and_answers_members(caplog):
+def test_rendezvous_service_refuses_strangers_and_answers_members():
+    """Strangers' calls (no request, garbage, a wrong secret, non-ASCII, a body that is
+    never finished) are refused at once and change nothing; a worker's sealed call gets
+    its place, a reply is good for its own request only, a replayed request is refused."""
+    import threading
+
     m = Membership(min_np=1)
     m.started(0, "127.0.0.1")
     service = RendezvousService(m, "s3cret")
+    key = wire.REQUEST_KEY
+
+    def ask(channel, value, body=()):
+        call = channel.stream_unary(wire.METHOD)
+        return call(iter(body), timeout=10, metadata=() if value is None else ((key, value),))
+
     try:
         with grpc.insecure_channel(service.address) as channel:
-            call = channel.unary_unary(wire.METHOD)
+            # Callers that open a call and never finish its body hold no handler thread.
+            stalled = threading.Event()
+
+            def never_ends():
+                stalled.wait(30)
+                yield b""
+
+            held = [channel.stream_unary(wire.METHOD).future(never_ends(), timeout=30) for _ in range(40)]
             refused = []
-            for data in (b"", b"x" * 100, wire.seal_request("wrong", {"op": "join", "worker": 0, "after": 0,
-                                                                        "address": "1.2.3.4:5"})[0],
-                         wire.seal_request("s3cret", {"op": "join", "worker": "0", "after": 0, "address": "a"})[0],
-                         wire.seal_request("s3cret", {"op": "drop", "worker": 0})[0]):
+            for value in (None, "", "x" * 100, "Z" * 64 + ".{}",
+                          wire.seal_request("wrong", {"op": "join", "worker": 0, "after": 0, "address": "1.2.3.4:5"})[0],
+                          wire.seal_request("s3cret", {"op": "join", "worker": "0", "after": 0, "address": "a:1"})[0],
+                          wire.seal_request("s3cret", {"op": "join", "worker": 0, "after": 0, "address": "no port"})[0],
+                          wire.seal_request("s3cret", {"op": "join", "worker": 0, "after": 7, "address": "a:1"})[0],
+                          wire.seal_request("s3cret", {"op": "drop", "worker": 0})[0]):
                 with pytest.raises(grpc.RpcError) as info:
-                    call(data, timeout=10)
+                    ask(channel, value)
                 refused.append(info.value.code())
-            with pytest.raises(grpc.RpcError) as info:
-                call(b"0" * (wire.MAX_MESSAGE_BYTES + 1), timeout=10)
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert refused[2] == grpc.StatusCode.UNAUTHENTICATED
+            assert refused[4] == grpc.StatusCode.UNAUTHENTICATED
             assert set(refused) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT}
+            assert all(f.done() for f in held)           # answered from their headers, bodies unread
+            stalled.set()
             assert m.waiting() == [] and m.epoch == 0     # nothing a stranger sent changed the membership
             data, nonce = wire.seal_request("s3cret", {"op": "join", "worker": 0, "after": 0,
                                                        "address": "127.0.0.1:9"})
-            raw = call(data, timeout=10)
+            raw = ask(channel, data)
             reply = wire.open_reply("s3cret", nonce, raw)
             assert reply["state"] == "ready" and reply["addresses"] == ["127.0.0.1:9"]
             with pytest.raises(WireError):   # a reply is good for its own request only
                 wire.open_reply("s3cret", "0" * 32, raw)
             with pytest.raises(grpc.RpcError) as info:   # a recorded request sent again
-                call(data, timeout=10)
+                ask(channel, data)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "replayed" in info.value.details()
-        assert service.refusals.count == 6
+        assert service.refusals.count == 40 + 9 + 1
     finally:
         service.stop()
+    for bad in ("é" * 64 + ".{}", "ab" * 40 + ".{}", b"\xff" * 64 + b".{}"):   # never an exception but WireError
+        with pytest.raises(WireError):
+            wire.open_request("s3cret", bad)
 
 
 # ------------------------------------------------------------------ the example, 2 -> 1 -> 3

@@ -16,6 +16,7 @@ from ..errors import ClusterError, PeerLostError, WireError
 from ..processes import format_address, free_ports
 from ..transport.grpc_options import grpc_options
 from . import wire
+from .wire import SECRET_VAR
 
 __all__ = ["RendezvousClient", "ElasticResolver"]
 
@@ -23,6 +24,14 @@ log = logging.getLogger("hostreduce.elastic")
 
 POLL_S = 0.05
 CALL_TIMEOUT_S = 10.0
+RETRY_FOR_S = 60.0       # how long a call is retried while the service is busy or unreachable
+
+
+def _transient() -> frozenset[Any]:
+    import grpc
+
+    return frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class RendezvousClient:
@@ -37,7 +46,7 @@ class RendezvousClient:
         self.address, self.worker, self.host = address, worker, host
         self._secret = secret
         self._channel = grpc.insecure_channel(address, options=grpc_options(CALL_TIMEOUT_S, wire.MAX_MESSAGE_BYTES))
-        self._call = self._channel.unary_unary(wire.METHOD)
+        self._call = self._channel.stream_unary(wire.METHOD)
         self.epoch = 0   # the last epoch this worker had a place in
         self.epoch_updates = 0   # the update count when that epoch formed (its joiners are in it)
 
@@ -47,21 +56,28 @@ class RendezvousClient:
         if found is None:
             return None
         address, worker, host = found
-        return cls(address, worker, host, env.get("HOSTREDUCE_SECRET", ""))
+        return cls(address, worker, host, env.get(SECRET_VAR, ""))
 
-    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _ask(self, request: dict[str, Any], patience_s: float = RETRY_FOR_S) -> dict[str, Any]:
+        """One call; a busy or briefly unreachable service is asked again for
+        ``patience_s`` (a launcher that is gone stays unreachable)."""
         import grpc
 
-        data, nonce = wire.seal_request(self._secret, {**request, "worker": self.worker})
-        try:
-            reply = self._call(data, timeout=CALL_TIMEOUT_S)
-        except grpc.RpcError as e:
-            raise PeerLostError(f"Elastic worker {self.worker}: the launcher's rendezvous service at {self.address} "
-                                f"did not answer ({e.code().name}: {e.details()})") from None
-        try:
-            return wire.open_reply(self._secret, nonce, reply)
-        except WireError as e:
-            raise WireError(f"Elastic worker {self.worker}: {e}") from None
+        deadline = time.monotonic() + patience_s
+        while True:
+            data, nonce = wire.seal_request(self._secret, {**request, "worker": self.worker})
+            try:
+                reply = self._call(iter(()), timeout=CALL_TIMEOUT_S, metadata=((wire.REQUEST_KEY, data),))
+            except grpc.RpcError as e:
+                if e.code() in _transient() and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                    continue
+                raise PeerLostError(f"Elastic worker {self.worker}: the launcher's rendezvous service at "
+                                    f"{self.address} did not answer ({e.code().name}: {e.details()})") from None
+            try:
+                return wire.open_reply(self._secret, nonce, reply)
+            except WireError as e:
+                raise WireError(f"Elastic worker {self.worker}: {e}") from None
 
     def join(self, timeout_s: float) -> ClusterSpec:
         """This worker's place in the next epoch, once every running worker asked."""

@@ -24,7 +24,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..errors import WireError
+from ..cluster.tf_config import check_addresses
+from ..errors import ClusterError, WireError
+from ..processes import format_address
 from ..transport.admission import Refusals, short
 from ..transport.grpc_options import grpc_options
 from . import wire
@@ -190,17 +192,22 @@ class RendezvousService:
         self._secret = secret
         self.refusals = Refusals(-1, name="the elastic rendezvous service", logger=log, every_s=10.0)
         self._nonces = _SeenNonces()
-        options = grpc_options(10.0, max_receive_bytes=wire.MAX_MESSAGE_BYTES)
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="hr-elastic"),
-                                   options=options, maximum_concurrent_rpcs=64)
+        # A request travels in the call's metadata and the handler never reads a body
+        # (stream_unary: it runs before one arrives), so every call is answered or refused
+        # at once from its headers and none holds a thread while a stranger stalls.
+        options = grpc_options(10.0, max_receive_bytes=1024) + [
+            ("grpc.max_metadata_size", 2 * wire.MAX_REQUEST_BYTES + 1024)]
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=8, thread_name_prefix="hr-elastic"),
+                                   options=options, maximum_concurrent_rpcs=256)
         handler = grpc.method_handlers_generic_handler("hostreduce.Elastic", {
-            "Call": grpc.unary_unary_rpc_method_handler(self._call)})
+            "Call": grpc.stream_unary_rpc_method_handler(self._call)})
         self._server.add_generic_rpc_handlers((handler,))
-        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+        bind = format_address(host, 0)
         port = self._server.add_insecure_port(bind)
         if not port:
-            raise WireError(f"the elastic rendezvous service cannot bind {bind}")
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise ClusterError(f"The elastic rendezvous service cannot listen on {bind}: `--host` must be an address "
+                               f"of this machine. Received: --host {host}")
+        self.address = format_address(host, port)
         self._server.start()
 
     def _refuse(self, context: Any, why: str) -> bytes:
@@ -211,29 +218,34 @@ class RendezvousService:
                       f"refused: {why}")
         raise AssertionError("unreachable")
 
-    def _call(self, request: bytes, context: Any) -> bytes:
+    def _call(self, request_iterator: Any, context: Any) -> bytes:
+        self.refusals.flush()   # counts of the refusals not logged one by one, every 10 s
+        raw = dict(context.invocation_metadata()).get(wire.REQUEST_KEY, "")
         try:
-            req = wire.open_request(self._secret, request)
+            req = wire.open_request(self._secret, raw if isinstance(raw, str) else "")
         except WireError as e:
             return self._refuse(context, str(e))
-        if not self._nonces.fresh(req["nonce"]):
-            # A recorded request sent again (the channel is plain text) could put a
-            # worker's old address into the next epoch: each request counts once.
-            return self._refuse(context, "replayed request")
         op, worker = req.get("op"), req.get("worker")
         if not isinstance(worker, int) or isinstance(worker, bool) or worker < 0:
             return self._refuse(context, f"invalid worker {short(worker)}")
         if op == "join":
             after, address = req.get("after"), req.get("address")
-            if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after <= self._membership.epoch:
                 return self._refuse(context, f"invalid epoch {short(after)}")
-            if not isinstance(address, str) or not 0 < len(address) <= 300:
+            try:
+                check_addresses([address], "address")
+            except ClusterError:
                 return self._refuse(context, f"invalid address {short(address)}")
-            reply = self._membership.join(worker, after, address)
-        elif op == "updates":
-            reply = {"updates": self._membership.updates_count()}
-        else:
+        elif op != "updates":
             return self._refuse(context, f"unknown call {short(op)}")
+        if not self._nonces.fresh(req["nonce"]):
+            # A recorded request sent again (the channel is plain text) could put a
+            # worker's old address into the next epoch: each request counts once.
+            return self._refuse(context, "replayed request")
+        if op == "join":
+            reply = self._membership.join(worker, after, address)
+        else:
+            reply = {"updates": self._membership.updates_count()}
         return wire.seal_reply(self._secret, req["nonce"], reply)
 
     def stop(self) -> None:

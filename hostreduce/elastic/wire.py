@@ -1,30 +1,35 @@
-"""The rendezvous calls on the wire: one gRPC method whose request and reply are JSON
-objects, each sealed with an HMAC-SHA256 of the job's secret.
+"""The rendezvous calls on the wire: one gRPC method; the request is a JSON object sealed
+with an HMAC-SHA256 of the job's secret and carried in the call's metadata (``hr-elastic``),
+the reply a JSON object sealed likewise as the response.
 
-A request carries a fresh nonce; the reply's MAC covers that nonce, so a worker accepts
-only a reply made for its own request by a holder of the secret, and a recorded reply
-cannot be replayed to it. A request's MAC proves its sender holds the secret; what a
-replayed request can ask (a place in the next epoch for a worker the launcher runs, the
-update count) is harmless, as the service answers it for a running worker only.
-Everything is size-checked before it is parsed.
+The service's handler answers from the metadata and never reads a request body, so a
+caller that sends headers and then nothing holds no thread. A request carries a fresh
+nonce; the reply's MAC covers that nonce, so a worker accepts only a reply made for its
+own request by a holder of the secret, and a recorded reply cannot be replayed to it.
+The service counts each request's nonce once, so a recorded request cannot be replayed
+to it either. Everything is size-checked before it is parsed.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import re
 import secrets
 from typing import Any, Mapping
 
 from ..errors import ConfigError, WireError
 
-__all__ = ["METHOD", "MAX_MESSAGE_BYTES", "ELASTIC_ADDRESS_VAR", "ELASTIC_WORKER_VAR", "ELASTIC_HOST_VAR",
+__all__ = ["SECRET_VAR", "METHOD", "REQUEST_KEY", "MAX_REQUEST_BYTES", "MAX_MESSAGE_BYTES", "ELASTIC_ADDRESS_VAR", "ELASTIC_WORKER_VAR", "ELASTIC_HOST_VAR",
            "ELASTIC_TIMEOUT_VAR", "seal_request", "open_request", "seal_reply", "open_reply", "elastic_from_env",
            "elastic_timeout_from_env"]
 
 METHOD = "/hostreduce.Elastic/Call"
-# A request or reply: a few hundred bytes, a reply listing every member's address a few KiB.
+REQUEST_KEY = "hr-elastic"        # the metadata key of a sealed request
+MAX_REQUEST_BYTES = 2048          # a request: a few hundred bytes
+# A reply listing every member's address: a few KiB.
 MAX_MESSAGE_BYTES = 64 * 1024
+SECRET_VAR = "HOSTREDUCE_SECRET"                    # the job's secret, as every task reads it
 ELASTIC_ADDRESS_VAR = "HOSTREDUCE_ELASTIC"          # host:port of the launcher's rendezvous service
 ELASTIC_WORKER_VAR = "HOSTREDUCE_ELASTIC_WORKER"    # this worker's id in the job (never reused)
 ELASTIC_HOST_VAR = "HOSTREDUCE_ELASTIC_HOST"        # the address this worker's ring binds
@@ -40,13 +45,16 @@ def _mac(secret: str, label: str, *parts: bytes) -> str:
     return mac.hexdigest()
 
 
-def _split(data: bytes) -> tuple[str, bytes]:
-    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_MESSAGE_BYTES:
-        raise WireError(f"a message of at most {MAX_MESSAGE_BYTES} bytes was expected")
+_HEX = re.compile(rb"[0-9a-f]{64}")
+
+
+def _split(data: bytes, limit: int) -> tuple[bytes, bytes]:
+    if not isinstance(data, (bytes, bytearray)) or len(data) > limit:
+        raise WireError(f"a message of at most {limit} bytes was expected")
     mac, sep, body = bytes(data).partition(b".")
-    if not sep or len(mac) != 64:
+    if not sep or _HEX.fullmatch(mac) is None:
         raise WireError("not a sealed message")
-    return mac.decode("ascii", "replace"), body
+    return mac, body
 
 
 def _parse(body: bytes) -> dict[str, Any]:
@@ -59,21 +67,28 @@ def _parse(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def seal_request(secret: str, request: Mapping[str, Any]) -> tuple[bytes, str]:
-    """The request's bytes and its nonce (which the reply must cover)."""
+def seal_request(secret: str, request: Mapping[str, Any]) -> tuple[str, str]:
+    """The request as the ASCII text of its metadata value, and its nonce (which the
+    reply must cover)."""
     nonce = secrets.token_hex(16)
-    body = json.dumps({**request, "nonce": nonce}).encode()
-    return _mac(secret, "request", body).encode() + b"." + body, nonce
+    body = json.dumps({**request, "nonce": nonce})   # ASCII: json escapes the rest
+    return _mac(secret, "request", body.encode()) + "." + body, nonce
 
 
-def open_request(secret: str, data: bytes) -> dict[str, Any]:
-    """The request in ``data``; WireError if it is malformed or not sealed with ``secret``."""
-    mac, body = _split(data)
-    if not hmac.compare_digest(mac, _mac(secret, "request", body)):
+def open_request(secret: str, data: str | bytes) -> dict[str, Any]:
+    """The request in ``data`` (a metadata value); WireError if it is malformed or not
+    sealed with ``secret``."""
+    if isinstance(data, str):
+        try:
+            data = data.encode("ascii")
+        except UnicodeEncodeError:
+            raise WireError("not a sealed message") from None
+    mac, body = _split(data, MAX_REQUEST_BYTES)
+    if not hmac.compare_digest(mac, _mac(secret, "request", body).encode()):
         raise WireError("wrong or missing shared secret")
     request = _parse(body)
     nonce = request.get("nonce")
-    if not isinstance(nonce, str) or len(nonce) != 32:
+    if not isinstance(nonce, str) or re.fullmatch(r"[0-9a-f]{32}", nonce) is None:
         raise WireError("no nonce")
     return request
 
@@ -84,8 +99,8 @@ def seal_reply(secret: str, nonce: str, reply: Mapping[str, Any]) -> bytes:
 
 
 def open_reply(secret: str, nonce: str, data: bytes) -> dict[str, Any]:
-    mac, body = _split(data)
-    if not hmac.compare_digest(mac, _mac(secret, "reply", nonce.encode(), body)):
+    mac, body = _split(data, MAX_MESSAGE_BYTES)
+    if not hmac.compare_digest(mac, _mac(secret, "reply", nonce.encode(), body).encode()):
         raise WireError("the rendezvous service's reply is not sealed with this job's secret")
     return _parse(body)
 

@@ -2,8 +2,9 @@
 and their commit, restore and sync.
 
 Under ``hostreduce run --min-np A --max-np B`` a worker that fails costs the others the
-steps since their last ``state.commit()``, not the job: their collectives fail with
-:class:`HorovodInternalError`, ``run`` restores the committed state, the survivors form
+steps since their last ``state.commit()``, not the job: their collectives fail (a
+``PeerLostError`` naming the worker; Horovod's :class:`HorovodInternalError` is handled
+alike), ``run`` restores the committed state, the survivors form
 a new ring (``hvd.size()`` and ``hvd.rank()`` change; the lowest surviving rank becomes
 rank 0) and take rank 0's state, and the wrapped function starts again. Workers that
 the launcher adds wait until the next commit, where every member raises
@@ -18,8 +19,9 @@ import functools
 import logging
 from typing import Any, Callable, Iterable
 
-from ..errors import (CollectiveTimeoutError, HorovodInternalError, HostsUpdatedInterrupt, PeerLostError,
-                      ReducerClosedError, TensorMismatchError, UnmatchedCollectiveError, UnsupportedCallError)
+from ..errors import (AuthenticationError, ClusterError, CollectiveTimeoutError, ConfigError, HorovodInternalError,
+                      HostsUpdatedInterrupt, PeerLostError, ReducerClosedError, TensorMismatchError,
+                      UnmatchedCollectiveError, UnsupportedCallError)
 from ..host.kerases import optimizer_variables
 from ..ops import job as _job
 from ..ops.functions import broadcast_object
@@ -153,9 +155,9 @@ class _Variables:
 
     def restore(self) -> None:
         variables = self._variables()
-        if len(variables) != len(self._saved):
-            raise HorovodInternalError(f"The state holds {len(self._saved)} variables but {len(variables)} exist now: "
-                                       "variables were created after the last commit")
+        if len(variables) != len(self._saved):   # e.g. slots built after the last commit: left as they are
+            log.info("hvd.elastic: restoring %d saved values into %d variables (pairs in order, as Horovod)",
+                     len(self._saved), len(variables))
         for var, value in zip(variables, self._saved):
             var.assign(value)
 
@@ -183,7 +185,8 @@ class TensorFlowKerasState(ObjectState):
             raise _graph_mode(type(self).__name__)
         self.model = model
         if hasattr(model, "build") and not model.built:
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+            raise ConfigError("Model must be built first. Run `model.build(input_shape)`. Received: an unbuilt "
+                              f"{type(model).__name__}")
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.backend = backend
         self._variables = _Variables(lambda: list(self.model.variables) + optimizer_variables(self.optimizer))
@@ -217,7 +220,8 @@ class TensorFlowState(ObjectState):
         if not _eager() or session is not None:
             raise _graph_mode(type(self).__name__)
         if variables is None:
-            raise ValueError("`variables` must be given: eager TensorFlow has no global variables. Received: None")
+            raise ConfigError("`variables` must be given: eager TensorFlow has no global variables. "
+                              "Received: variables=None")
         self.variables = list(variables)
         self.session = None
         self._variables = _Variables(lambda: self.variables)
@@ -239,13 +243,16 @@ class TensorFlowState(ObjectState):
 
 
 def _lost_membership(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the job's membership breaking (a worker failed or left),
-    not from the script (ranks that disagree on a collective fail alike in every epoch)."""
+    """Whether ``exc`` came from the job's membership breaking (a worker failed or left,
+    also while the epoch's ring came up: a member that never connects is a
+    ``ClusterError`` there), not from the script (ranks that disagree on a collective
+    fail alike in every epoch)."""
     failure = _job.job().failure() if _job.is_initialized() else None
     for error in (exc, failure):
         if isinstance(error, (UnmatchedCollectiveError, TensorMismatchError)):
             return False
-    if isinstance(exc, (HorovodInternalError, PeerLostError, ReducerClosedError, CollectiveTimeoutError)):
+    if isinstance(exc, (HorovodInternalError, PeerLostError, ReducerClosedError, CollectiveTimeoutError,
+                        ClusterError, AuthenticationError)):
         return True
     return failure is not None
 

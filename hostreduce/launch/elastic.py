@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import re
 import secrets
 import shlex
 import signal
@@ -36,7 +37,8 @@ from typing import Mapping, Sequence
 
 from ..cluster import TF_CONFIG
 from ..cluster.mpi_env import HOROVOD_VARIABLES
-from ..elastic.wire import ELASTIC_ADDRESS_VAR, ELASTIC_HOST_VAR, ELASTIC_TIMEOUT_VAR, ELASTIC_WORKER_VAR
+from ..elastic.wire import (DEFAULT_ELASTIC_TIMEOUT_S, ELASTIC_ADDRESS_VAR, ELASTIC_HOST_VAR, ELASTIC_TIMEOUT_VAR,
+                            ELASTIC_WORKER_VAR, SECRET_VAR)
 from ..elastic.rendezvous import Member, Membership, RendezvousService
 from ..errors import ConfigError
 from ..processes import exit_code, stop_groups
@@ -46,11 +48,12 @@ __all__ = ["run_elastic", "parse_discovery", "remote_command", "DISCOVERY_EVERY_
            "SSH_COMMAND"]
 
 DISCOVERY_EVERY_S = 1.0
-DISCOVERY_TIMEOUT_S = 10.0
-ELASTIC_TIMEOUT_S = 600.0
+DISCOVERY_TIMEOUT_S = 5.0
+ELASTIC_TIMEOUT_S = DEFAULT_ELASTIC_TIMEOUT_S
 BLACKLIST_AFTER = 3
 SSH_COMMAND = "ssh -o BatchMode=yes"
-_SECRET_VAR = "HOSTREDUCE_SECRET"
+MAX_SLOTS = 1024          # per host and line of the discovery script
+_HOST_RE = re.compile(r"[A-Za-z0-9_.%:-]+")
 
 
 def parse_discovery(text: str) -> dict[str, int]:
@@ -69,9 +72,9 @@ def parse_discovery(text: str) -> dict[str, int]:
             count = int(slots)
         except ValueError:
             count = -1
-        if not host or count < 0:
-            raise ConfigError(f"The host discovery script must print `host` or `host:slots` per line. "
-                              f"Received: line {number}: {raw!r}")
+        if _HOST_RE.fullmatch(host) is None or host.startswith("-") or not 0 <= count <= MAX_SLOTS:
+            raise ConfigError(f"The host discovery script must print `host` or `host:slots` per line (a host name "
+                              f"or address, 0 to {MAX_SLOTS} slots). Received: line {number}: {raw[:100]!r}")
         hosts[host] = hosts.get(host, 0) + count
     return hosts
 
@@ -79,7 +82,7 @@ def parse_discovery(text: str) -> dict[str, int]:
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # Not passed to workers on other hosts: they describe this machine's session.
 _LOCAL_ONLY = {"HOME", "PWD", "OLDPWD", "SHELL", "SHLVL", "TERM", "DISPLAY", "USER", "LOGNAME", "HOSTNAME", "TMPDIR",
-               "SSH_AUTH_SOCK", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "_", "LS_COLORS", _SECRET_VAR}
+               "SSH_AUTH_SOCK", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "_", "LS_COLORS", SECRET_VAR}
 
 
 def remote_command(command: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
@@ -88,7 +91,7 @@ def remote_command(command: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     and runs ``command`` with ``env`` (less what describes this machine's session)."""
     assigns = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())
                if k not in _LOCAL_ONLY and k.replace("_", "a").isalnum() and not k[:1].isdigit()]
-    return (f"read -r {_SECRET_VAR} && export {_SECRET_VAR} && cd {shlex.quote(cwd)} && exec env "
+    return (f"read -r {SECRET_VAR} && export {SECRET_VAR} && cd {shlex.quote(cwd)} && exec env "
             + " ".join(assigns) + " " + " ".join(shlex.quote(c) for c in command))
 
 
@@ -142,10 +145,31 @@ class _ElasticJob:
         wid = self.next_id
         self.next_id += 1
         env = {k: v for k, v in self.base.items() if k not in HOROVOD_VARIABLES and k != TF_CONFIG}
-        env.update({_SECRET_VAR: self.secret, ELASTIC_ADDRESS_VAR: self.service.address,
+        env.update({SECRET_VAR: self.secret, ELASTIC_ADDRESS_VAR: self.service.address,
                     ELASTIC_WORKER_VAR: str(wid), ELASTIC_HOST_VAR: host,
                     ELASTIC_TIMEOUT_VAR: repr(self.elastic_timeout)})
         pipe = subprocess.PIPE if self.prefix else None
+        self.membership.started(wid, host)   # before it can ask for its place
+        try:
+            proc = self._popen(host, env, pipe)
+        except OSError:
+            self.membership.ended(wid)
+            raise
+        relays: list[Relay] = []
+        if self.prefix:
+            tag = f"[{wid}] ".encode()
+            for src, dest, lock in ((proc.stdout, sys.stdout, self.out_lock), (proc.stderr, sys.stderr, self.err_lock)):
+                relay = Relay(src, dest, tag, lock, quiet=not self.verbose)  # type: ignore[arg-type]
+                relays.append(relay)
+                relay.thread.start()
+        self.workers[wid] = _Worker(wid, host, proc, relays)
+
+        def wait() -> None:
+            self.exits.put((wid, proc.wait()))
+
+        threading.Thread(target=wait, name=f"elastic-watch{wid}", daemon=True).start()
+
+    def _popen(self, host: str, env: dict[str, str], pipe: int | None) -> subprocess.Popen:
         if host == self.host:
             proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
                                     start_new_session=True)
@@ -159,20 +183,7 @@ class _ElasticJob:
                 proc.stdin.close()
             except OSError:
                 pass   # the agent failed at once: its exit is the worker's failure
-        relays: list[Relay] = []
-        if self.prefix:
-            tag = f"[{wid}] ".encode()
-            for src, dest, lock in ((proc.stdout, sys.stdout, self.out_lock), (proc.stderr, sys.stderr, self.err_lock)):
-                relay = Relay(src, dest, tag, lock, quiet=not self.verbose)  # type: ignore[arg-type]
-                relays.append(relay)
-                relay.thread.start()
-        self.membership.started(wid, host)
-        self.workers[wid] = _Worker(wid, host, proc, relays)
-
-        def wait() -> None:
-            self.exits.put((wid, proc.wait()))
-
-        threading.Thread(target=wait, name=f"elastic-watch{wid}", daemon=True).start()
+        return proc
 
     def error_of(self, wid: int) -> str | None:
         worker = self.workers[wid]
@@ -189,17 +200,27 @@ class _ElasticJob:
 
 
 def _discover(script: str) -> dict[str, int] | str:
-    """The script's hosts, or why it could not be read."""
+    """The script's hosts, or why it could not be read (it and what it started are
+    stopped after ``DISCOVERY_TIMEOUT_S``)."""
     try:
-        done = subprocess.run([script], capture_output=True, timeout=DISCOVERY_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.Popen([script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError as e:
         return f"{type(e).__name__}: {e}"
-    if done.returncode != 0:
-        return f"it exited with code {done.returncode}: {done.stderr.decode(errors='replace').strip()[-300:]}"
     try:
-        return parse_discovery(done.stdout.decode(errors="replace"))
+        out, err = proc.communicate(timeout=DISCOVERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop_groups([proc], grace_s=1.0)
+        return f"it did not finish within {DISCOVERY_TIMEOUT_S:g} s"
+    if proc.returncode != 0:
+        return f"it exited with code {proc.returncode}: {err.decode(errors='replace').strip()[-300:]}"
+    try:
+        found = parse_discovery(out.decode(errors="replace"))
     except ConfigError as e:
         return str(e)
+    if not any(found.values()):
+        return "it printed no host with a slot (an empty reading is not taken as every host gone)"
+    return found
 
 
 def run_elastic(
@@ -240,31 +261,40 @@ def run_elastic(
     if discovery_script is not None and not os.access(discovery_script, os.X_OK):
         raise ConfigError("`--host-discovery-script` must name an executable file. "
                           f"Received: {discovery_script!r}")
+    if discovery_script is not None:
+        discovery_script = os.path.abspath(discovery_script)   # run as given, not looked up on PATH
     base = merge_env(env)
     base.setdefault("PYTHONUNBUFFERED", "1")
-    secret = base.get(_SECRET_VAR) or secrets.token_hex(32)
-    received: list[int] = []
-    previous: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for name in STOP_SIGNALS:
-            signum = getattr(signal, name, None)
-            if signum is None or signal.getsignal(signum) is signal.SIG_IGN:
-                continue
-            previous[signum] = signal.signal(signum, lambda s, _f: received.append(s))
-
+    secret = base.get(SECRET_VAR) or secrets.token_hex(32)
     job = _ElasticJob(list(command), base, secret, host, min_np, max_np, prefix, verbose, elastic_timeout,
                       shlex.split(ssh_command))
+    received: list[int] = []
+    previous: dict[int, object] = {}
     local = _local_names(host)
     failures: dict[str, int] = {}
     blacklisted: set[str] = set()
     told_remote: set[str] = set()
     final, code = "", 0
-    finished = False          # a member of the current epoch finished: no worker joins any more
+    finished = False          # a member of the current epoch finished: no epoch forms any more
     last_failure = 0
     short_since: float | None = None
     waiting_since: float | None = None
     next_discovery = 0.0
+    discovery_failing = False
+
+    def fail_start(where: str, exc: OSError) -> None:
+        nonlocal last_failure
+        last_failure = 127 if isinstance(exc, FileNotFoundError) else 126
+        failures[where] = failures.get(where, 0) + 1
+        message(f"cannot start a worker on {where}: {exc.strerror or exc}")
+
     try:
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                signum = getattr(signal, name, None)
+                if signum is None or signal.getsignal(signum) is signal.SIG_IGN:
+                    continue
+                previous[signum] = signal.signal(signum, lambda s, _f: received.append(s))
         try:
             for _ in range(num_workers):
                 job.start(host)
@@ -289,8 +319,11 @@ def run_elastic(
                 members = job.membership.member_ids()
                 job.membership.ended(wid)
                 if returncode == 0:
-                    if wid in members:
+                    if wid in members and not finished:
+                        # The job is done once its members are: no new epoch forms (a
+                        # worker still waiting to join would start training alone).
                         finished = True
+                        job.membership.close()
                 elif not worker.removed:
                     last_failure = exit_code(returncode)
                     how = (f"was killed by {signal.Signals(-returncode).name}"
@@ -306,16 +339,22 @@ def run_elastic(
                                 "times; no new worker starts there")
             running = job.membership.running()
             if finished:
-                if not set(job.membership.member_ids()) & set(running):
+                members = job.epochs[-1] if job.epochs else []
+                if not {m.worker for m in members} & set(running):
                     rest = [w for w in job.workers.values() if w.proc.poll() is None]
                     job.stop(rest, grace_period)
+                    bad = [w.proc.returncode for w in (job.workers[m.worker] for m in members)
+                           if w.proc.returncode not in (0, None) and not w.removed]
+                    if bad:
+                        final = "the job's last epoch ended with a failed member"
+                        return exit_code(bad[0])
                     return 0
                 continue
             if not running and not discovery_script:
                 # Done: with status 0 if the last epoch's members (every worker, when no
                 # epoch formed) all succeeded.
-                last = job.epochs[-1] if job.epochs else list(job.workers.values())
-                if all(job.workers[m.wid if isinstance(m, _Worker) else m.worker].proc.returncode == 0 for m in last):
+                last = [m.worker for m in job.epochs[-1]] if job.epochs else list(job.workers)
+                if all(job.workers[w].proc.returncode == 0 for w in last):
                     return 0
                 final = "every worker has ended"
                 return last_failure or 1
@@ -324,8 +363,11 @@ def run_elastic(
                 next_discovery = now + DISCOVERY_EVERY_S
                 found = _discover(discovery_script)
                 if isinstance(found, str):
-                    message(f"the host discovery script failed: {found}")
+                    if not discovery_failing:   # said once until it reads again
+                        message(f"the host discovery script failed: {found}")
+                    discovery_failing = True
                 else:
+                    discovery_failing = False
                     slots_of: dict[str, int] = {}
                     for name, slots in found.items():
                         where = host if name in local else name
@@ -338,16 +380,24 @@ def run_elastic(
                             continue
                         slots_of[where] = slots_of.get(where, 0) + slots
                     room = max_np - len(running)
+                    staying = len([w for w in job.workers.values() if w.proc.poll() is None and not w.removed])
                     for where in sorted({host, *slots_of, *(w.host for w in job.workers.values())}):
                         wanted, current = slots_of.get(where, 0), job.running_on(where)
                         if where not in blacklisted:
                             for _ in range(max(0, min(wanted - len(current), room))):
-                                job.start(where)
+                                try:
+                                    job.start(where)
+                                except OSError as exc:
+                                    fail_start(where, exc)
+                                    break
                                 room -= 1
-                        for w in sorted(current, key=lambda w: -w.wid)[:max(0, len(current) - wanted)]:
+                        # Never below --min-np: the members go on, and leave when slots agree.
+                        extra = min(len(current) - wanted, staying - min_np)
+                        for w in sorted(current, key=lambda w: -w.wid)[:max(0, extra)]:
                             # The members reset at their next commit without it (nothing lost);
                             # it is stopped once it is out of the epoch.
                             w.removed = True
+                            staying -= 1
                             job.membership.retire(w.wid)
                             message(f"worker {w.wid}: its slot left the discovery script's hosts; it leaves the job "
                                     "at the next commit")
@@ -364,15 +414,18 @@ def run_elastic(
                     return last_failure or 1
             else:
                 short_since = None
-            # A running worker that never asks for its place while others wait is stuck.
+            # A member of the current epoch that never asks for its next place while other
+            # members wait at the rendezvous is stuck (workers waiting to join are not).
+            members = set(job.membership.member_ids()) & set(running)
             waiting = set(job.membership.waiting())
-            if waiting and not set(running) <= waiting:
+            stuck_ids = sorted(members - waiting) if waiting & members else []
+            if stuck_ids:
                 waiting_since = now if waiting_since is None else waiting_since
                 if now - waiting_since > elastic_timeout:
-                    stuck = [job.workers[w] for w in running if w not in waiting]
-                    message(f"worker(s) {[w.wid for w in stuck]} did not come to the rendezvous within "
-                            f"{elastic_timeout:g} s while others waited; stopping them")
-                    job.stop(stuck, grace_period)
+                    stuck = [job.workers[w] for w in stuck_ids]
+                    message(f"worker(s) {stuck_ids} did not come to the rendezvous within {elastic_timeout:g} s "
+                            "while other members waited; stopping them")
+                    threading.Thread(target=job.stop, args=(stuck, grace_period), daemon=True).start()
                     waiting_since = None
             else:
                 waiting_since = None

@@ -200,13 +200,17 @@ def _elastic_place() -> ClusterSpec | None:
         return None
     from ..elastic.wire import elastic_timeout_from_env
 
-    return client.join(elastic_timeout_from_env(os.environ))
+    # The launcher stops a member that does not come within --elastic-timeout while the
+    # others wait, so a worker waits longer before it gives up itself.
+    return client.join(2 * elastic_timeout_from_env(os.environ) + 60.0)
 
 
 def _flush_at_exit() -> None:
     job = _job
     if job is not None:
         job.timeline.flush()
+    if _channel is not None:   # the first job's timeline, which the channel keeps across resets
+        _channel.timeline.flush()
 
 
 def shutdown() -> None:

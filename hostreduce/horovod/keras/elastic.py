@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import ConfigError
 from ..elastic import TensorFlowKerasState, run
 from .callbacks import KerasCallback
 
@@ -34,9 +35,10 @@ class _CommitState:
     def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
         super().__init__()
         if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) or batches_per_commit < 1:
-            raise ValueError(f"`batches_per_commit` must be an integer >= 1. Received: "
+            raise ConfigError(f"`batches_per_commit` must be an integer >= 1. Received: "
                              f"batches_per_commit={batches_per_commit!r}")
         self.state = state
+        self.backend = None   # Horovod's attribute (its Keras backend); unused
         self.batches_per_commit = batches_per_commit
         self.batches_remaining = batches_per_commit
 
@@ -46,10 +48,13 @@ class _CommitState:
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.batches_remaining -= 1
         if self.batches_remaining == 0:
-            self.state.commit()
+            self.commit()
             self.batches_remaining = self.batches_per_commit
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.commit()
+
+    def commit(self) -> None:
         self.state.commit()
 
 
