@@ -513,3 +513,46 @@ def test_host_resident_optimizer_slots_are_part_of_the_state():
     state.restore()
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(committed, model.optimizer.variables + model.variables))
     assert state.batch == 3
+
+
+def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
+    """A joiner gets its place in the next epoch and exits before connecting: the other
+    members' ring start-up fails (connect timeout) and they reset without it; the worker
+    the launcher starts on the free slot joins later, and the result is one process's."""
+    import numpy as np
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    (marks / "hold-b3").touch()
+    (marks / "die-after-init-w2").touch()
+    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
+           "--host-discovery-script", str(discover), "--", sys.executable, str(DETERMINISTIC), "10"]
+    with Job() as job:
+        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks), HOSTREDUCE_CONNECT_TIMEOUT_S="5"))
+        reference = job.start([sys.executable, str(DETERMINISTIC), "10", "--reference", str(tmp_path / "ref.npz")],
+                              base_env())
+        wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
+        hosts.write_text("localhost:3\n")
+        _wait_output(launcher, "worker 2 waits to join")
+        (marks / "hold-b3").unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    out = launcher.output
+    assert launcher.returncode == 0, out[-4000:]
+    assert reference.returncode == 0
+    assert not leftovers
+    assert "worker 2 exited with code 3" in out, out[-3000:]
+    assert re.search(r"\[[01]\] hvd.elastic: the job lost a worker", out), out[-3000:]
+    expected = np.load(tmp_path / "ref.npz")
+    finals = sorted(p.name for p in marks.glob("final-w*.npz"))
+    assert "final-w0.npz" in finals and "final-w1.npz" in finals, finals
+    for name in finals:
+        got = np.load(marks / name)
+        for key in expected.files:
+            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
+            assert err <= 1e-6, (name, key, err)

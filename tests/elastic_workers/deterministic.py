@@ -5,8 +5,9 @@ from the last commit gives what one process gives on the whole batches. A test c
 the membership at commits and compares the final weights with that one-process result.
 
 With ``HR_ELASTIC_MARKS=<dir>``: ``started-w<id>`` at start, ``commit-w<id>-b<step>-s<size>``
-after each commit, a wait while ``hold-b<step>`` exists, and each rank's final weights in
-``final-w<id>.npz``.
+after each commit, a wait while ``hold-b<step>`` exists, each rank's final weights in
+``final-w<id>.npz``; a worker for which ``die-after-init-w<id>`` exists exits right after
+its ``hvd.init()``.
 
 Run: ``hostreduce run -np 2 --min-np 1 --max-np 3 ... -- python deterministic.py STEPS``;
 ``python deterministic.py STEPS --reference OUT.npz`` trains one process, no hostreduce.
@@ -55,6 +56,8 @@ def main(steps):
     if directory:
         marks.mark(directory, f"started-w{worker}")
     hvd.init()
+    if directory and os.path.exists(os.path.join(directory, f"die-after-init-w{worker}")):
+        os._exit(3)   # for a test: a member that has its place and is gone before its ring comes up
     model, opt = make_model(), tf.keras.optimizers.SGD(LR)
     opt.build(model.trainable_variables)
 
