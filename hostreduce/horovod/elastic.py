@@ -169,7 +169,29 @@ class _Variables:
             broadcast_variables(variables, root_rank=0)
 
 
-class TensorFlowKerasState(ObjectState):
+class _VariablesState(ObjectState):
+    """An ObjectState that also keeps host copies of variables (``self._variables``)."""
+
+    def __init__(self, variables: Callable[[], list[Any]], **kwargs: Any) -> None:
+        self._variables = _Variables(variables)
+        self._variables.save()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self) -> None:
+        self._variables.save()
+        super().save()
+
+    def restore(self) -> None:
+        self._variables.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        self._variables.sync()
+        self._variables.save()
+        super().sync()
+
+
+class TensorFlowKerasState(_VariablesState):
     """State of a Keras model and its optimizer (Keras 3 or tf_keras), and of keyword values.
 
     Args:
@@ -189,25 +211,10 @@ class TensorFlowKerasState(ObjectState):
                               f"{type(model).__name__}")
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self.backend = backend
-        self._variables = _Variables(lambda: list(self.model.variables) + optimizer_variables(self.optimizer))
-        self._variables.save()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        self._variables.save()
-        super().save()
-
-    def restore(self) -> None:
-        self._variables.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        self._variables.sync()
-        self._variables.save()
-        super().sync()
+        super().__init__(lambda: list(self.model.variables) + optimizer_variables(self.optimizer), **kwargs)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_VariablesState):
     """State of a list of ``tf.Variable`` and of keyword values (eager TensorFlow 2).
 
     Args:
@@ -224,22 +231,7 @@ class TensorFlowState(ObjectState):
                               "Received: variables=None")
         self.variables = list(variables)
         self.session = None
-        self._variables = _Variables(lambda: self.variables)
-        self._variables.save()
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self) -> None:
-        self._variables.save()
-        super().save()
-
-    def restore(self) -> None:
-        self._variables.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        self._variables.sync()
-        self._variables.save()
-        super().sync()
+        super().__init__(lambda: self.variables, **kwargs)
 
 
 def _lost_membership(exc: BaseException) -> bool:
