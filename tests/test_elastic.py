@@ -195,6 +195,29 @@ def test_rendezvous_service_refuses_strangers_and_answers_members():
 
 
 # ------------------------------------------------------------------ the example, 2 -> 1 -> 3
+def _elastic_files(tmp_path: Path, hosts_text: str) -> tuple[Path, Path, Path]:
+    """The marks directory, the hosts file (``hosts_text``) and a discovery script that
+    prints it."""
+    marks, hosts, discover = tmp_path / "marks", tmp_path / "hosts", tmp_path / "discover.sh"
+    marks.mkdir()
+    hosts.write_text(hosts_text)
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    return marks, hosts, discover
+
+
+def _assert_one_process_weights(reference: Path, finals: list[Path]) -> None:
+    """Every rank's final weights equal one process's (rel <= 1e-6)."""
+    import numpy as np
+
+    expected = np.load(reference)
+    for path in finals:
+        got = np.load(path)
+        for key in expected.files:
+            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
+            assert err <= 1e-6, (path.name, key, err)
+
+
 def _pid_of(job: Job, worker: int) -> int:
     want = {f"{MARKER_VAR}={job.marker}".encode(), f"HOSTREDUCE_ELASTIC_WORKER={worker}".encode()}
     for pid in job.leftovers():
@@ -213,13 +236,7 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     0; then the discovery script offers 3 slots, two workers join at a commit, and the job
     ends with the same weights on all 3 ranks, the example's checkpoint written by the
     rank 0 of the last epoch, every process gone."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     (marks / "hold-b3").touch()
     (marks / "hold-b8").touch()
     cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
@@ -263,13 +280,7 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
     ``fit`` with the commit and state callbacks on 2 workers; worker 1 is SIGKILLed in
     the first epoch, worker 0 resumes from its last commit alone, then two workers join
     in the next epoch and all 3 end with the same weights."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     (marks / "hold-e0-b4").touch()
     (marks / "hold-e1-b2").touch()
     cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
@@ -318,15 +329,7 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
     the discovery script drops a slot and the newest worker leaves at the next commit;
     after 14 steps both ranks' weights equal one process's on the whole batches
     (rel <= 1e-6)."""
-    import numpy as np
-
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     for step in (4, 8, 11):
         (marks / f"hold-b{step}").touch()
     cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
@@ -360,12 +363,7 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
     assert not any(re.fullmatch(r"commit-w\d-b12-s\d", n) for n in names), sorted(names)
     assert not any(re.fullmatch(r"commit-w3-b1[234]-s\d", n) for n in names), sorted(names)
     assert "Traceback" not in launcher.output.split("worker 3: its slot")[-1], launcher.output[-3000:]
-    expected = np.load(tmp_path / "ref.npz")
-    for worker in (0, 2):
-        got = np.load(marks / f"final-w{worker}.npz")
-        for key in expected.files:
-            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
-            assert err <= 1e-6, (worker, key, err)
+    _assert_one_process_weights(tmp_path / "ref.npz", [marks / f"final-w{w}.npz" for w in (0, 2)])
 
 
 # ------------------------------------------------------------------ the launcher's options
@@ -407,18 +405,11 @@ def test_workers_on_other_hosts_start_through_the_agent_fail_and_join(tmp_path):
     script adds the second host's worker; it is SIGKILLed and worker 0 goes on alone;
     the third host's worker joins; the job ends with one process's weights, and the
     secret never appears on a command line."""
-    import numpy as np
-
     nc = _netns()
     usable, why = nc.netns_usable()
     if not usable:
         pytest.skip(f"`ip netns` is not usable here: {why}")
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    hosts = tmp_path / "hosts"
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    marks, hosts, discover = _elastic_files(tmp_path, "")
     for step in (3, 6):
         (marks / f"hold-b{step}").touch()
     secret = "elastic-test-" + os.urandom(8).hex()
@@ -452,12 +443,7 @@ def test_workers_on_other_hosts_start_through_the_agent_fail_and_join(tmp_path):
     names = set(os.listdir(marks))
     # Step 7's commit let worker 2 in (HostsUpdatedInterrupt): step 8 ran on 2 ranks.
     assert {"commit-w0-b4-s1", "commit-w0-b8-s2", "commit-w2-b8-s2", "commit-w2-b9-s2"} <= names, sorted(names)
-    expected = np.load(tmp_path / "ref.npz")
-    for worker in (0, 2):
-        got = np.load(marks / f"final-w{worker}.npz")
-        for key in expected.files:
-            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
-            assert err <= 1e-6, (worker, key, err)
+    _assert_one_process_weights(tmp_path / "ref.npz", [marks / f"final-w{w}.npz" for w in (0, 2)])
 
 
 def test_a_host_whose_workers_keep_failing_is_blacklisted(tmp_path, capsys):
@@ -519,15 +505,7 @@ def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
     """A joiner gets its place in the next epoch and exits before connecting: the other
     members' ring start-up fails (connect timeout) and they reset without it; the worker
     the launcher starts on the free slot joins later, and the result is one process's."""
-    import numpy as np
-
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     (marks / "hold-b3").touch()
     (marks / "die-after-init-w2").touch()
     cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
@@ -548,11 +526,6 @@ def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
     assert not leftovers
     assert "worker 2 exited with code 3" in out, out[-3000:]
     assert re.search(r"\[[01]\] hvd.elastic: the job lost a worker", out), out[-3000:]
-    expected = np.load(tmp_path / "ref.npz")
-    finals = sorted(p.name for p in marks.glob("final-w*.npz"))
-    assert "final-w0.npz" in finals and "final-w1.npz" in finals, finals
-    for name in finals:
-        got = np.load(marks / name)
-        for key in expected.files:
-            err = np.max(np.abs(got[key] - expected[key])) / max(1e-12, np.max(np.abs(expected[key])))
-            assert err <= 1e-6, (name, key, err)
+    finals = sorted(marks.glob("final-w*.npz"))
+    assert {"final-w0.npz", "final-w1.npz"} <= {p.name for p in finals}, finals
+    _assert_one_process_weights(tmp_path / "ref.npz", finals)
