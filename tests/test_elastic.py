@@ -206,6 +206,12 @@ def _elastic_files(tmp_path: Path, hosts_text: str) -> tuple[Path, Path, Path]:
     return marks, hosts, discover
 
 
+def _elastic_cmd(discover: Path, script: Path, *args: str) -> list[str]:
+    """``hostreduce run -np 2 --min-np 1 --max-np 3 --host-discovery-script D -- python SCRIPT ARGS``."""
+    return [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
+            "--host-discovery-script", str(discover), "--", sys.executable, str(script), *args]
+
+
 def _assert_one_process_weights(reference: Path, finals: list[Path]) -> None:
     """Every rank's final weights equal one process's (rel <= 1e-6)."""
     import numpy as np
@@ -239,9 +245,7 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     (marks / "hold-b3").touch()
     (marks / "hold-b8").touch()
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--", sys.executable, str(EXAMPLE), "90",
-           str(tmp_path / "ckpt")]
+    cmd = _elastic_cmd(discover, str(EXAMPLE), "90", str(tmp_path / "ckpt"))
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
@@ -283,9 +287,7 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
     marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     (marks / "hold-e0-b4").touch()
     (marks / "hold-e1-b2").touch()
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--", sys.executable, str(KERAS_EXAMPLE), "30", "3",
-           str(tmp_path)]
+    cmd = _elastic_cmd(discover, str(KERAS_EXAMPLE), "30", "3", str(tmp_path))
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         wait_for_marks(str(marks), ["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"], timeout=240)
@@ -332,8 +334,7 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
     marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     for step in (4, 8, 11):
         (marks / f"hold-b{step}").touch()
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--", sys.executable, str(DETERMINISTIC), "14"]
+    cmd = _elastic_cmd(discover, str(DETERMINISTIC), "14")
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         reference = job.start([sys.executable, str(DETERMINISTIC), "14", "--reference", str(tmp_path / "ref.npz")],
@@ -508,8 +509,7 @@ def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
     marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
     (marks / "hold-b3").touch()
     (marks / "die-after-init-w2").touch()
-    cmd = [sys.executable, "-m", "hostreduce", "run", "-np", "2", "--min-np", "1", "--max-np", "3",
-           "--host-discovery-script", str(discover), "--", sys.executable, str(DETERMINISTIC), "10"]
+    cmd = _elastic_cmd(discover, str(DETERMINISTIC), "10")
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks), HOSTREDUCE_CONNECT_TIMEOUT_S="5"))
         reference = job.start([sys.executable, str(DETERMINISTIC), "10", "--reference", str(tmp_path / "ref.npz")],
