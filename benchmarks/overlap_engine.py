@@ -206,16 +206,26 @@ class HostReduceSystem:
         slots, grads, defer = exchange.slots, self.device.grads, exchange.defer
         ready, applied = [0.0] * len(slots), [0.0] * len(slots)
 
+        completed = [0.0] * len(slots)
+
+        def watch(i: int) -> None:  # when the reduction itself ends (the host waits later)
+            if trace:
+                slots[i].handle.add_done_callback(lambda _h, i=i: completed.__setitem__(i, time.perf_counter()))
+
         def on_ready(i: int) -> None:
             ready[i] = time.perf_counter()
             if defer:
                 slots[i].stage(grads[i])
             else:
                 slots[i].hand_off(grads[i])
+                watch(i)
 
         t0 = self.device.run(on_ready)
         backward_end = time.perf_counter()
         exchange.start_deferred()
+        if defer:
+            for i in range(len(slots)):
+                watch(i)
         self.adam.begin_step()
         pending = []
         reduced = [0.0] * len(slots)
@@ -228,7 +238,8 @@ class HostReduceSystem:
             applied[i] = max(f.result() for f in futures)
         if trace:
             rel = lambda ts: [round((t - t0) * 1e3, 3) for t in ts]  # noqa: E731
-            self.trace[schedule] = {"ready_ms": rel(ready), "reduced_ms": rel(reduced), "applied_ms": rel(applied),
+            self.trace[schedule] = {"ready_ms": rel(ready), "completed_ms": rel(completed), "reduced_ms": rel(reduced),
+                                    "applied_ms": rel(applied),
                                     "backward_end_ms": round((backward_end - t0) * 1e3, 3),
                                     "submitted_ms": [round(s / 1e3 - t0 * 1e3, 3) for s in exchange.submit_times_us]}
 
@@ -436,7 +447,8 @@ def _measure(plan: dict, workdir: Path) -> None:
 # =========================================================================== coordinator
 
 
-def _rows(profile: str, network: str, n: int, system: str, rate_bps: float | None, records: list[dict]) -> list[dict]:
+def _rows(profile: str, batch: int, network: str, n: int, system: str, rate_bps: float | None,
+          records: list[dict]) -> list[dict]:
     by_kind: dict[str, dict[int, list[dict]]] = {}
     for rec in records:
         by_kind.setdefault(rec.get("kind", ""), {}).setdefault(rec["rank"], []).append(rec)
@@ -468,16 +480,32 @@ def _rows(profile: str, network: str, n: int, system: str, rate_bps: float | Non
                "apply_cpu_ms": round(statistics.mean(statistics.median(a["apply_cpu_ms"]) for a in alone.values()), 3),
                "gradient_bytes": first["bytes"], "gradient_tensors": first["tensors"],
                "hidden_fraction": round((compute + reduction - step) / reduction, 4),
-               "hideable": round(min(1.0, compute / reduction), 4),
                "step_over_compute": round(step / compute, 4),
                "cpu_ms_per_step": round(statistics.mean(statistics.median(rec["cpu_ms"]) for rec in per_rank.values()), 3),
                "rank_step_ms": {str(k): v["step_ms"] for k, v in sorted(per_rank.items())},
                "trace": {str(k): v.get("trace") for k, v in sorted(per_rank.items()) if v.get("trace")}}
         if rate_bps:
             row["reduction_link_bound_ms"] = round(link_bound_ms(n, row["gradient_bytes"], rate_bps), 3)
-        row["bound"] = _bound(row)
-        rows.append(row)
+        rows.append(_finish_row(row, batch))
     return rows
+
+
+def _finish_row(row: dict, batch: int) -> dict:
+    """The fields derived from the profile at ``batch``: the case's name, the backward
+    pass's time, what can hide at most, and the row's bound in words."""
+    profile = load_profile(row["profile"])
+    forward = sum(f for f, _ in layer_times_ms(profile, batch))
+    backward = compute_ms(profile, batch) - forward
+    row["batch"] = batch
+    row["case"] = profile["stem"] if batch == profile["batch"] else f"{profile['stem']}, batch {batch}"
+    row["backward_nominal_ms"] = round(backward, 3)
+    red = row["reduction_ms"]
+    # No gradient exists before the backward pass begins, so a reduction can overlap
+    # the backward pass only: at most backward / reduction of it can hide.
+    row["hideable"] = round(min(1.0, backward / red), 4)
+    row["hideable_compute"] = round(min(1.0, row["compute_ms"] / red), 4)
+    row["bound"] = _bound(row)
+    return row
 
 
 def _bound(row: dict) -> str:
@@ -486,11 +514,12 @@ def _bound(row: dict) -> str:
     link = row.get("reduction_link_bound_ms")
     if row["schedule"] == "sequential":
         return "no overlap by construction: compute, then the reduction, then the apply"
-    if compute < red:
-        what = (f"the link ({link:.0f} ms for the bytes alone)" if link and link >= 0.6 * red
-                else f"the engine ({row['reduction_cpu_ms']:.0f} ms of CPU per worker)")
-        return (f"compute ({compute:.0f} ms) < reduction ({red:.0f} ms): at most {row['hideable']:.2f} of the "
-                f"reduction can hide; the reduction is bound by {what}")
+    what = (f"the link ({link:.0f} ms for the bytes alone)" if link and link >= 0.75 * red
+            else f"the engine ({row['reduction_cpu_ms']:.0f} ms of CPU per worker{f'; link {link:.0f} ms' if link else ''})")
+    backward = row["backward_nominal_ms"]
+    if backward < red:
+        return (f"backward pass ({backward:.0f} ms) < reduction ({red:.0f} ms): at most {row['hideable']:.2f} of "
+                f"the reduction can hide; the reduction is bound by {what}")
     tail = step - compute
     if tail <= 0.05 * compute:
         return "compute: the reduction and the update are hidden"
@@ -500,14 +529,15 @@ def _bound(row: dict) -> str:
 
 def _targets(rows: list[dict]) -> list[dict]:
     checks = []
-    for prof, net, n in sorted({(r["profile"], r["network"], r["np"]) for r in rows}):
-        cell = {(r["system"], r["schedule"]): r for r in rows if (r["profile"], r["network"], r["np"]) == (prof, net, n)}
+    for prof, net, n in sorted({(r["case"], r["network"], r["np"]) for r in rows}):
+        cell = {(r["system"], r["schedule"]): r for r in rows if (r["case"], r["network"], r["np"]) == (prof, net, n)}
         ring, peer = cell.get(("ring", "streamed")), cell.get(("openmpi", "fused-cycle"))
         if ring is None:
             continue
         where = f"{prof} {net} N={n}"
         if ring["compute_ms"] >= ring["reduction_ms"]:
-            checks.append({"what": f"{where}: ring streamed hidden fraction (compute >= reduction)",
+            checks.append({"what": f"{where}: ring streamed hidden fraction (compute >= reduction; the backward "
+                                   f"pass allows {ring['hideable']})",
                            "value": ring["hidden_fraction"], "goal": f">= {TARGET_HIDDEN}",
                            "met": ring["hidden_fraction"] >= TARGET_HIDDEN})
         if peer is not None:
@@ -524,23 +554,27 @@ def _targets(rows: list[dict]) -> list[dict]:
 def _print_table(rows: list[dict]) -> None:
     print("\nstep = slowest rank's median (ms); compute = the device pass alone; reduction = every gradient at once;"
           "\nhidden = (compute + reduction - step) / reduction; cpu = host CPU per step and worker")
-    head = (f"{'model':>9} {'network':>8} {'N':>2} | {'system: schedule':<62} | {'step':>7} {'compute':>7} "
+    head = (f"{'model':>23} {'network':>8} {'N':>2} | {'system: schedule':<62} | {'step':>7} {'compute':>7} "
             f"{'reduce':>7} {'update':>6} | {'hidden':>6} {'hideable':>8} {'step/comp':>9} | {'cpu':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['profile']:>9} {r['network']:>8} {r['np']:>2} | {r['label']:<62} | {r['step_ms']:>7.0f} "
+        print(f"{r['case']:>23} {r['network']:>8} {r['np']:>2} | {r['label']:<62} | {r['step_ms']:>7.0f} "
               f"{r['compute_ms']:>7.0f} {r['reduction_ms']:>7.0f} {r['apply_alone_ms']:>6.0f} | "
               f"{r['hidden_fraction']:>6.2f} {r['hideable']:>8.2f} {r['step_over_compute']:>9.3f} | "
               f"{r['cpu_ms_per_step']:>6.0f}")
 
 
-def _plot(path: Path, rows: list[dict]) -> None:
+def _plot(path: Path, rows: list[dict], cores: int) -> None:
     plt = report.pyplot()
-    cells = sorted({(r["profile"], r["network"]) for r in rows})
-    fig, axes = plt.subplots(1, len(cells), figsize=(6.0 * len(cells), 5.0), squeeze=False)
-    for ax, (prof, net) in zip(axes[0], cells):
-        mine = [r for r in rows if (r["profile"], r["network"]) == (prof, net)]
+    cells = sorted({(r["case"], r["network"]) for r in rows})
+    cols = min(3, len(cells))
+    nrow = -(-len(cells) // cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(6.0 * cols, 5.0 * nrow), squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    for ax, (prof, net) in zip(axes.flat, cells):
+        mine = [r for r in rows if (r["case"], r["network"]) == (prof, net)]
         nps = sorted({r["np"] for r in mine})
         series = sorted({(r["system"], r["schedule"]) for r in mine}, key=lambda k: (list(SYSTEMS).index(k[0]), k[1]))
         width = 0.8 / (len(series) + 1)
@@ -564,10 +598,11 @@ def _plot(path: Path, rows: list[dict]) -> None:
         ax.set_title(f"{prof}, {NC.parse_rate(net) / 1e9:g} Gbit/s" if net != "loopback" else f"{prof}, loopback")
         ax.set_ylabel("ms per step (numbers: hidden fraction)")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Device-like compute on the host layers alone ({report.cores()} cores): step per system "
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"Device-like compute on the host layers alone ({cores} cores): step per system "
                  "against compute and reduction alone (lower is better)")
-    report.save_figure(fig, path)
+    report.save_figure(fig, path, rect=(0, 0.06 / nrow, 1, 0.97))
 
 
 def _plot_timeline(path: Path, row: dict) -> None:
@@ -581,14 +616,81 @@ def _plot_timeline(path: Path, row: dict) -> None:
         for y, i in enumerate(order):
             ax.plot([tr["ready_ms"][i], tr["reduced_ms"][i]], [y, y], color="tab:blue", lw=1)
             ax.plot([tr["reduced_ms"][i], tr["applied_ms"][i]], [y, y], color="tab:orange", lw=1)
+            if "completed_ms" in tr:
+                ax.plot([tr["completed_ms"][i]], [y], marker="|", color="black", ms=3)
         ax.axvline(row["compute_ms"], color="black", ls="--", lw=1)
         ax.axvline(tr["backward_end_ms"], color="grey", ls=":", lw=1)
         ax.set_ylabel(f"rank {rank}\ngradients")
-    axes[-1, 0].set_xlabel("ms from the step's start (blue: ready -> reduced; orange: -> updated; dashed: compute "
-                           "alone; dotted: backward end)")
-    fig.suptitle(f"{row['profile']}, {row['network']}, N = {row['np']}: one streamed step of the ring "
+    axes[-1, 0].set_xlabel("ms from the step's start. Blue: gradient ready -> its wait returned (the host waits "
+                           "after the backward pass,\nin submission order); orange: -> updated; black ticks (where "
+                           "recorded): the reduction's end; dashed: compute alone; dotted: backward end", fontsize=8)
+    fig.suptitle(f"{row['case']}, {row['network']}, N = {row['np']}: one streamed step of the ring "
                  f"(step {row['step_ms']:.0f} ms, hidden {row['hidden_fraction']:.2f})")
     report.save_figure(fig, path)
+
+
+def _slug(row: dict) -> str:
+    return row["case"].replace(", batch ", "-b")
+
+
+def _close(rep: report.Report, rows: list[dict], no_plot: bool, measured_here: bool = True) -> None:
+    """Targets, tables and pictures of ``rows``; writes the JSON."""
+    rep.result["measurements"] = rows
+    rep.result["targets"] = _targets(rows)
+
+    def plot(path: Path) -> None:
+        _plot(path, rows, rep.result["environment"].get("cpu_count") or report.cores())
+        for r in rows:
+            if r["system"] == "ring" and r["schedule"] == "streamed" and r["trace"]:
+                _plot_timeline(rep.out_dir / f"overlap.engine.timeline.{_slug(r)}-{r['network']}-np{r['np']}.png", r)
+
+    def show() -> None:
+        _print_table(rows)
+        report.print_targets(rep.result["targets"])
+
+    rep.close(plot=plot if rows else None, no_plot=no_plot, show=show, measured_here=measured_here)
+
+
+def _merge(paths: list[str], out: str, no_plot: bool) -> int:
+    """One result of several runs' JSON files (a machine lent for a limited time runs
+    the cells in parts): their rows, a later file's row replacing an earlier one of the
+    same case, network, N, system and schedule; each part's command, date and loads are
+    kept under ``environment.parts``."""
+    parts = [json.loads(Path(pth).read_text()) for pth in paths]
+    rows: dict[tuple, dict] = {}
+    runs: dict = {}
+    for part in parts:
+        batches = {name: info["batch"] for name, info in part["settings"]["profiles"].items()}
+        for row in part["measurements"]:
+            row = _finish_row(dict(row), row.get("batch") or batches[row["profile"]])
+            rows[(row["case"], row["network"], row["np"], row["system"], row["schedule"])] = row
+        for prof, by_net in part["runs"].items():
+            stem = load_profile(prof)["stem"]
+            case = stem if batches[prof] == load_profile(prof)["batch"] else f"{stem}, batch {batches[prof]}"
+            for net, by_n in by_net.items():
+                for n, by_sys in by_n.items():
+                    runs.setdefault(case, {}).setdefault(net, {}).setdefault(n, {}).update(by_sys)
+    first = parts[0]
+    rep = report.Report(out, "overlap.engine", first["benchmark"], first["description"],
+                        settings={**first["settings"], "profiles": {f"{k}@{v['batch']}": v for part in parts
+                                                                   for k, v in part["settings"]["profiles"].items()},
+                                  "cells": [c for part in parts for c in part["settings"]["cells"]]},
+                        runs=runs, measurements=[], targets=[])
+    env = dict(first["environment"])
+    env["parts"] = [{"file": str(pth), "command_line": part["environment"].get("command_line"),
+                     "date": part["environment"].get("date"), "wall_s": part["environment"].get("wall_s"),
+                     "loadavg_at_start": part["environment"].get("loadavg_at_start"),
+                     "loadavg_at_end": part["environment"].get("loadavg_at_end"),
+                     "hostname": part["environment"].get("hostname"), "cpu_count": part["environment"].get("cpu_count")}
+                    for pth, part in zip(paths, parts)]
+    env["merged_at"] = rep.result["environment"]["date"]
+    for key in ("wall_s", "loadavg_at_start", "loadavg_at_end"):  # each part's are under "parts"
+        env.pop(key, None)
+    rep.result["environment"] = env
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    _close(rep, sorted(rows.values(), key=lambda r: (r["case"], r["network"], r["np"], order[r["system"]],
+                                                     r["schedule"])), no_plot, measured_here=False)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -605,11 +707,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of the product of the above: semicolon-separated PROFILE:NETWORK:N, e.g. "
                         "'resnet50:1gbit:2;bert_base:10gbit:4'")
     p.add_argument("--quick", action="store_true", help="smoke run (< 60 s)")
+    p.add_argument("--merge", default=None, metavar="JSON,JSON,...",
+                   help="write one result of these runs' overlap.engine.json files (no run)")
     p.add_argument("--job-timeout", type=float, default=600.0, help="wall-clock limit of one job (s)")
     cli.add_run_options(p)
     args = p.parse_args(argv)
     if args.worker:
         return jobs.run_worker(args, _measure)
+    if args.merge:
+        return _merge(args.merge.split(","), args.out, args.no_plot)
 
     systems = cli.parse_choices(p, "--systems", args.systems or ",".join(SYSTEMS), list(SYSTEMS))
     if args.cells:
@@ -666,7 +772,9 @@ def main(argv: list[str] | None = None) -> int:
                       "apply_alone_ms": "the host update of every tensor alone (Open MPI row: the device's update "
                                         "time)",
                       "hidden_fraction": "(compute + reduction - step) / reduction",
-                      "hideable": "min(1, compute / reduction)",
+                      "hideable": "min(1, backward / reduction): no gradient exists before the backward pass, so "
+                                  "at most this much of the reduction can hide",
+                      "hideable_compute": "min(1, compute / reduction)",
                       "cpu_ms_per_step": "host CPU per step of one worker (all threads), mean over workers"},
                   "targets": {"hidden_fraction": f">= {TARGET_HIDDEN} where compute >= reduction, and >= the peer's",
                               "step_over_compute_10gbit": f"<= {TARGET_STEP}"}},
@@ -692,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
                                 __file__, plan=_pp, workdir=_wd, rank=rank)
                             run = peers.run(peer, where, n, argv, workdir, args.job_timeout,
                                             info={"tcp_check": tcp} if tcp else None)
-                            got = _rows(pr, net, n, system, where.rate_bps, run.records()) if run.ok else []
+                            got = (_rows(pr, prof_info[pr]["batch"], net, n, system, where.rate_bps, run.records())
+                                   if run.ok else [])
                             if run.ok and not got:
                                 run.fail("workers exited without writing every record")
                             result["runs"].setdefault(pr, {}).setdefault(net, {}).setdefault(str(n), {})[system] = run.info
@@ -701,19 +810,7 @@ def main(argv: list[str] | None = None) -> int:
                             rows += got
                             result["measurements"] = rows
                             rep.save()
-    result["targets"] = _targets(rows)
-
-    def plot(path: Path) -> None:
-        _plot(path, rows)
-        for r in rows:
-            if r["system"] == "ring" and r["schedule"] == "streamed" and r["trace"]:
-                _plot_timeline(rep.out_dir / f"overlap.engine.timeline.{r['profile']}-{r['network']}-np{r['np']}.png", r)
-
-    def show() -> None:
-        _print_table(rows)
-        report.print_targets(result["targets"])
-
-    rep.close(plot=plot if rows else None, no_plot=args.no_plot, show=show)
+    _close(rep, rows, args.no_plot)
     return report.exit_status(result["runs"])
 
 

@@ -1,6 +1,7 @@
 """The overlap benchmark's device-like compute: its wait op hands back its inputs after
 its time, the device model yields each gradient as its layer's backward pass ends (last
-layer first), the shipped profiles add up, and a device run writes its table."""
+layer first), the shipped profiles add up, a device run writes its table, and so does
+the variant on the host layers alone (``overlap_engine.py``)."""
 from __future__ import annotations
 
 import json
@@ -149,3 +150,54 @@ def test_overlap_device_run_writes_every_system(tmp_path: Path) -> None:
     assert (tmp_path / "overlap.device.png").stat().st_size > 0
     assert (tmp_path / f"overlap.device.timeline.tiny-{network}-np2.png").stat().st_size > 0
     assert "hidden" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
+    """The host-layers-alone variant (no TensorFlow in its workers): every system's rows,
+    the hidden fraction and its bound from the backward pass, and one result merged from
+    two parts."""
+    profile = _tiny_profile(tmp_path / "tiny.json", backward_ms=20.0)
+    network = "1gbit" if NC.netns_usable()[0] else "loopback"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
+    script = str(ROOT / "benchmarks" / "overlap_engine.py")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, script, "--cells", f"{profile}:{network}:2", "--rounds", "1", "--steps", "2",
+                           "--out", str(out)], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((out / "overlap.engine.json").read_text())
+    rows = {(r["system"], r["schedule"]): r for r in result["measurements"]}
+    assert set(rows) == {("ring", "sequential"), ("ring", "streamed"), ("mpi", "streamed"), ("openmpi", "fused-cycle")}
+    for row in rows.values():
+        assert row["case"] == "tiny" and row["network"] == network and row["np"] == 2
+        assert row["hidden_fraction"] == pytest.approx(
+            (row["compute_ms"] + row["reduction_ms"] - row["step_ms"]) / row["reduction_ms"], rel=1e-3, abs=1e-3)
+        # 3 x (10 + 20) ms of device time; only the 60 ms of backward pass can hide a reduction.
+        assert row["compute_ms"] >= 90 * 0.99 and row["backward_nominal_ms"] == pytest.approx(60.0)
+        assert row["hideable"] == pytest.approx(min(1.0, 60.0 / row["reduction_ms"]), rel=1e-3, abs=1e-3)
+        assert row["gradient_tensors"] == 5 and row["bound"]
+    assert "Open MPI" in rows[("openmpi", "fused-cycle")]["engine"]
+    assert rows[("ring", "streamed")]["engine"] != rows[("mpi", "streamed")]["engine"]
+    trace = rows[("ring", "streamed")]["trace"]["0"]
+    # Each gradient is handed off when its layer's backward pass ends (last layer first),
+    # its reduction ends after that, and its update after its wait returned.
+    assert trace["ready_ms"][4] < trace["ready_ms"][2] < trace["ready_ms"][0]
+    assert all(r <= c <= w <= a for r, c, w, a in zip(trace["ready_ms"], trace["completed_ms"], trace["reduced_ms"],
+                                                      trace["applied_ms"]))
+    assert (out / "overlap.engine.png").stat().st_size > 0
+    assert (out / f"overlap.engine.timeline.tiny-{network}-np2.png").stat().st_size > 0
+    # Two parts, each with some of the rows, make one result with all of them.
+    parts = []
+    for i, systems in enumerate((("ring",), ("mpi", "openmpi"))):
+        part = json.loads(json.dumps(result))
+        part["measurements"] = [r for r in part["measurements"] if r["system"] in systems]
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged_dir = tmp_path / "merged"
+    proc = subprocess.run([sys.executable, script, "--merge", ",".join(map(str, parts)), "--out", str(merged_dir),
+                           "--no-plot"], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    merged = json.loads((merged_dir / "overlap.engine.json").read_text())
+    assert {(r["system"], r["schedule"]) for r in merged["measurements"]} == set(rows)
+    assert [p["file"] for p in merged["environment"]["parts"]] == [str(p) for p in parts]
+    assert "wall_s" not in merged["environment"]

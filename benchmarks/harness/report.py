@@ -249,14 +249,17 @@ class Report:
         write_json(self.json_path, self.result)
 
     def close(self, *, plot: Callable[[Path], None] | None = None, no_plot: bool = False,
-              show: Callable[[], None] | None = None, wall: bool = True) -> None:
+              show: Callable[[], None] | None = None, wall: bool = True, measured_here: bool = True) -> None:
         """The end of a run: the wall time and the load at the end into the environment
-        record, the JSON, the PNG (``plot(png_path)``, unless ``no_plot``), the tables
-        and targets (``show()``), and where the files went."""
+        record (``measured_here=False``: neither, for a result made of other runs' files),
+        the JSON, the PNG (``plot(png_path)``, unless ``no_plot``), the tables and targets
+        (``show()``), and where the files went."""
         env = self.result["environment"]
+        wall = wall and measured_here
         if wall:
             env["wall_s"] = round(time.monotonic() - self.t_start, 1)
-        env["loadavg_at_end"] = loadavg()
+        if measured_here:
+            env["loadavg_at_end"] = loadavg()
         self.save()
         if plot is not None and not no_plot:
             plot(self.png_path)
