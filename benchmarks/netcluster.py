@@ -454,7 +454,12 @@ class NetCluster:
                  # Every namespace has this machine's hostname: Open MPI's hierarchical
                  # and shared-memory collectives would take the workers for one node and
                  # meet in /dev/shm, which the namespaces share.
-                 "--mca", "coll", "^han,sm"]
+                 "--mca", "coll", "^han,sm",
+                 # Open MPI 4's daemons in the other namespaces would put hwloc's topology in
+                 # shared memory at a hole of their address space, and now and then crash
+                 # there (orted: segfault in hwloc_shmem_topology_write); "none" skips it.
+                 # Open MPI 5 has no such parameter and ignores it.
+                 "--mca", "rtc_hwloc_vmhole", "none"]
         return self.exec_argv(0, own_hostname(self.namespaces[0], [*mpirun, *extra, *argv]))
 
     def worker_env(self, index: int, port: int = 29500, secret: str | None = None) -> dict[str, str]:
