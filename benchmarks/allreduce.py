@@ -33,6 +33,7 @@ from benchmarks.harness.measure import (KiB, MiB, bus_bandwidth_factor, choose_r
                                         link_bound_ms, parse_list, time_op)
 
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    "ring-tcp": {"label": "hostreduce ring (TCP)", "kind": "ring", "transport": "tcp"},
     "ring-grpc": {"label": "hostreduce ring (gRPC)", "kind": "ring", "transport": "grpc"},
     "ring-shm": {"label": "hostreduce ring (shm)", "kind": "ring", "transport": "shm"},
     "mpi": {"label": "Open MPI Allreduce (mpi4py)", "kind": "mpi"},
@@ -40,6 +41,8 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     # Not an all-reduce: the bytes a ring moves, over grpcio alone (see impls/collectives.py GrpcFloor).
     "grpc-floor": {"label": "grpcio transfer alone (floor)", "kind": "floor"},
     # Reduce-scatter of the S-byte buffer (each rank keeps S/N bytes), compared among themselves.
+    "ring-tcp-rs": {"label": "hostreduce reduce-scatter (TCP)", "kind": "ring", "transport": "tcp",
+                    "collective": "reduce_scatter"},
     "ring-grpc-rs": {"label": "hostreduce reduce-scatter (gRPC)", "kind": "ring", "transport": "grpc",
                      "collective": "reduce_scatter"},
     "ring-shm-rs": {"label": "hostreduce reduce-scatter (shm)", "kind": "ring", "transport": "shm",
@@ -48,7 +51,7 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
 }
 PEER_OF_KIND = {"ring": peers.HOSTREDUCE_RING, "mpi": peers.OPEN_MPI, "tf": peers.TF_COLLECTIVE,
                 "floor": peers.GRPC_FLOOR}
-RINGS = ("ring-grpc", "ring-shm", "ring-grpc-rs", "ring-shm-rs")
+RINGS = ("ring-tcp", "ring-grpc", "ring-shm", "ring-tcp-rs", "ring-grpc-rs", "ring-shm-rs")
 PEERS = ("mpi", "tf-ring", "mpi-rs")
 
 

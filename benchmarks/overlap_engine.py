@@ -30,7 +30,8 @@ network namespace per worker, links shaped with ``tc``):
 
 | system | reduction | update |
 |---|---|---|
-| ``ring`` | hostreduce's ring over gRPC, ``sequential`` and ``streamed`` | host, per gradient |
+| ``ring`` | hostreduce's ring, its default data path between hosts (``tcp``), ``sequential`` and ``streamed`` | host, per gradient |
+| ``ring-grpc`` | the same ring with its data over the gRPC port (``transport="grpc"``), ``streamed`` | host, per gradient |
 | ``mpi`` | hostreduce's MPI engine (mpi4py, under ``mpirun``), ``streamed`` | host, per gradient |
 | ``openmpi`` | Open MPI through mpi4py with Horovod's schedule: a background thread takes the ready gradients every 1 ms cycle, fuses up to 64 MiB into one buffer and all-reduces it | on the device (the profile's update time), as Horovod's |
 
@@ -63,7 +64,8 @@ from benchmarks.harness.measure import link_bound_ms  # noqa: E402
 from benchmarks.impls.device import compute_ms, layer_times_ms, load_profile, update_ms  # noqa: E402
 
 SYSTEMS: dict[str, tuple[peers.Peer, str, list[str]]] = {
-    "ring": (peers.HOSTREDUCE_RING, "hostreduce ring (gRPC)", ["sequential", "streamed"]),
+    "ring": (peers.HOSTREDUCE_RING, "hostreduce ring (TCP)", ["sequential", "streamed"]),
+    "ring-grpc": (peers.HOSTREDUCE_RING_GRPC, "hostreduce ring (gRPC data path)", ["streamed"]),
     "mpi": (peers.HOSTREDUCE_MPI, "hostreduce MPI engine", ["streamed"]),
     "openmpi": (peers.OPEN_MPI, "Open MPI, Horovod's schedule", ["fused-cycle"]),
 }
@@ -180,7 +182,7 @@ class HostReduceSystem:
         from hostreduce.timeline import Timeline
 
         config = Config.from_env()
-        if kind == "ring":
+        if kind.startswith("ring"):
             self.reducer = create_reducer("ring", cluster=resolve_cluster(), config=config)
         else:
             self.reducer = create_reducer("mpi", config=config)
@@ -191,7 +193,7 @@ class HostReduceSystem:
         reducer = self.reducer
         self.exchanges = {
             defer: HostCallExchange(f"engine.{'seq' if defer else 'str'}", specs, lambda: reducer,
-                                    ordered=(kind != "ring"), timeline=Timeline(None), defer=defer)
+                                    ordered=not kind.startswith("ring"), timeline=Timeline(None), defer=defer)
             for defer in (False, True)}
         self.engine = type(self.reducer).__name__
         self.transport = getattr(self.reducer, "transport", None)

@@ -22,7 +22,7 @@ ENV_PREFIX = "HOSTREDUCE_"
 _RESERVED_ENV = frozenset({"HOSTREDUCE_TIMELINE", "HOSTREDUCE_ELASTIC", "HOSTREDUCE_ELASTIC_WORKER",
                            "HOSTREDUCE_ELASTIC_HOST", "HOSTREDUCE_ELASTIC_TIMEOUT_S"})
 
-_TRANSPORTS = ("auto", "grpc", "shm")
+_TRANSPORTS = ("auto", "tcp", "grpc", "shm")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -45,9 +45,12 @@ class Config:
     Attributes:
         reducer: engine name: ``ring``, ``mpi``, ``horovod``, ``local`` or one added
             with ``hostreduce.register_reducer`` (checked by ``create_reducer``).
-        transport: ring data path between peers on one host: ``auto`` (shared memory
-            when every peer is on this host, gRPC otherwise), ``grpc`` or ``shm``.
-            Peers on other hosts always use gRPC.
+        transport: the ring's data path: ``auto`` (shared memory when every peer is
+            on this host, ``tcp`` otherwise), ``tcp`` (a TCP connection per pair of
+            ranks for the data, opened and authenticated during the start-up on ports
+            the system picks; gRPC carries the control messages), ``grpc`` (the data
+            too goes over the gRPC port: where only that port is open between hosts)
+            or ``shm`` (one host only).
         timeout_s: longest wait for any peer before raising ``PeerLostError`` or
             ``CollectiveTimeoutError``.
         connect_timeout_s: longest wait for every peer to come up at start.

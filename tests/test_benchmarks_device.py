@@ -167,7 +167,11 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads((out / "overlap.engine.json").read_text())
     rows = {(r["system"], r["schedule"]): r for r in result["measurements"]}
-    assert set(rows) == {("ring", "sequential"), ("ring", "streamed"), ("mpi", "streamed"), ("openmpi", "fused-cycle")}
+    assert set(rows) == {("ring", "sequential"), ("ring", "streamed"), ("ring-grpc", "streamed"), ("mpi", "streamed"),
+                         ("openmpi", "fused-cycle")}
+    if network != "loopback":   # the ring's path between hosts, and gRPC's for comparison
+        assert rows[("ring", "streamed")]["transport"] == "tcp"
+        assert rows[("ring-grpc", "streamed")]["transport"] == "grpc"
     for row in rows.values():
         assert row["case"] == "tiny" and row["network"] == network and row["np"] == 2
         assert row["hidden_fraction"] == pytest.approx(
@@ -188,7 +192,7 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
     assert (out / f"overlap.engine.timeline.tiny-{network}-np2.png").stat().st_size > 0
     # Two parts, each with some of the rows, make one result with all of them.
     parts = []
-    for i, systems in enumerate((("ring",), ("mpi", "openmpi"))):
+    for i, systems in enumerate((("ring", "ring-grpc"), ("mpi", "openmpi"))):
         part = json.loads(json.dumps(result))
         part["measurements"] = [r for r in part["measurements"] if r["system"] in systems]
         parts.append(tmp_path / f"part{i}.json")

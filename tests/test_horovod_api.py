@@ -174,6 +174,53 @@ def test_handoff_ops_in_a_graph_follow_the_engines_ordering(ordered: bool) -> No
     reducer.close()
 
 
+# Eight host ops of one TF1 run that can only finish together (as the collectives of one
+# run can, when every rank starts them in a different order): with TensorFlow's default
+# pool (one thread per core) some never start.
+_WAITING_OPS = """
+import os, sys, threading
+import numpy as np
+import hostreduce.horovod as hvd
+assert "tensorflow" not in sys.modules
+{init}
+import tensorflow as tf
+tf.constant(1.0) + 1.0   # TensorFlow starts (its eager pool) before the session
+meet = threading.Barrier(8, timeout={timeout})
+def wait(x):
+    try:
+        meet.wait()
+        return np.int32(1)
+    except threading.BrokenBarrierError:
+        return np.int32(0)
+with tf.Graph().as_default():
+    ops = [tf.numpy_function(wait, [tf.constant(i)], tf.int32, stateful=True) for i in range(8)]
+    with tf.compat.v1.Session() as session:
+        print("met", int(session.run(tf.add_n(ops))), os.environ.get("TF_NUM_INTEROP_THREADS"))
+"""
+
+
+@pytest.mark.parametrize("init", ["", "hvd.init()"])
+def test_tf1_sessions_have_room_for_waiting_host_ops_when_tensorflow_comes_after_hostreduce(init: str) -> None:
+    """A script that imports ``hostreduce.horovod`` (and calls ``hvd.init()``) before
+    TensorFlow: its TF1 sessions still get enough inter-op threads for host collectives
+    that wait for each other; a pool size the script chose is kept."""
+    import subprocess
+    import sys
+
+    env = base_env()
+    env.pop("TF_NUM_INTEROP_THREADS", None)
+    done = subprocess.run([sys.executable, "-c", _WAITING_OPS.format(init=init, timeout=60)], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["8", "32"], done.stdout
+    if init:
+        return
+    kept = subprocess.run([sys.executable, "-c", _WAITING_OPS.format(init=init, timeout=2)],
+                          env={**env, "TF_NUM_INTEROP_THREADS": "3"}, capture_output=True, text=True, timeout=180)
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    assert kept.stdout.split()[-2:] == ["0", "3"], kept.stdout
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(_MPI_SKIP is not None, reason=_MPI_SKIP or "")
 def test_ops_and_training_under_mpirun(reference: dict, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hostreduce.testing import run_ranks, run_ranks_allow_failure
 from tests import ring_workers as w
 
-TRANSPORTS = ["grpc", "shm", "shm-copy"]
+TRANSPORTS = ["tcp", "grpc", "shm", "shm-copy"]
 SIZES = [1, 2, 4]
 
 

@@ -19,7 +19,8 @@ PLAN = m.Plan(0, [m.AllReduce(["a", "b"], True, {"a": [b"x"]}), m.Broadcast(["c"
 
 
 @pytest.mark.parametrize("msg", [
-    m.Beat(3), m.Join(1, "auto", 65536, True, False, "host", 123, 456), m.Welcome(0, transport="shm", token="ab"),
+    m.Beat(3), m.Join(1, "auto", 65536, True, False, "host", 123, 456, 5000), m.Welcome(0, transport="shm", token="ab"),
+    m.Welcome(0, transport="tcp", token="ab", ports=[5000, 5001]),
     m.Welcome(0, error="Every worker needs the same `chunk_bytes` setting"), m.Ready(2, [entry("a"), entry("b")]),
     m.Blocked(1, "a"), m.Blocked(1, None), PLAN, m.Departed(0), m.PeerFailure(2, "ValueError: boom", [2]),
 ], ids=lambda msg: type(msg).__name__)
@@ -76,6 +77,11 @@ def test_data_path_decision_names_a_disagreeing_setting():
     joins = [m.Join(r, "auto", 65536, True, True, "h", 10 + r, 0) for r in range(2)]
     welcome = decide_data_path(joins[::-1])
     assert welcome.transport == "shm" and len(welcome.token) == 16 and not welcome.error
-    assert decide_data_path([joins[0], m.Join(1, "auto", 65536, True, True, "other", 11, 0)]).transport == "grpc"
+    # Between hosts, TCP, with every rank's data port; gRPC when told.
+    apart = decide_data_path([m.Join(1, "auto", 65536, True, True, "other", 11, 0, 4321),
+                              m.Join(0, "auto", 65536, True, True, "h", 10, 0, 1234)])
+    assert apart.transport == "tcp" and apart.ports == [1234, 4321]
+    told = decide_data_path([m.Join(r, "grpc", 65536, True, True, f"h{r}", 10 + r, 0) for r in range(2)])
+    assert told.transport == "grpc" and told.ports == []
     bad = decide_data_path([joins[0], m.Join(1, "auto", 1024, True, True, "h", 11, 0)])
     assert bad.error == "Every worker needs the same `chunk_bytes` setting. Received: rank 0: 65536, rank 1: 1024"

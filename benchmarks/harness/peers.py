@@ -54,8 +54,12 @@ class Peer:
 
 
 HOSTREDUCE_RING = Peer("hostreduce ring", secret=True,
-                       # The namespaces share one hostname, so "auto" would pick shared memory.
-                       env_on_links={"HOSTREDUCE_TRANSPORT": "grpc"})
+                       # Between hosts "auto" is the tcp data path; the namespaces share one
+                       # hostname, so there "auto" would pick shared memory.
+                       env_on_links={"HOSTREDUCE_TRANSPORT": "tcp"})
+# The ring with its data over the gRPC port (``transport="grpc"``), for comparison.
+HOSTREDUCE_RING_GRPC = replace(HOSTREDUCE_RING, label="hostreduce ring (gRPC data path)",
+                               env={"HOSTREDUCE_TRANSPORT": "grpc"}, env_on_links={"HOSTREDUCE_TRANSPORT": "grpc"})
 HOSTREDUCE_MPI = Peer("hostreduce MPI engine", launch="mpirun", mpi="mpi")
 OPEN_MPI = Peer("Open MPI (mpi4py)", launch="mpirun", mpi="mpi")
 TF_COLLECTIVE = Peer("TensorFlow MultiWorkerMirroredStrategy")

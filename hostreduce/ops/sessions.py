@@ -6,12 +6,14 @@ asynchronous kernels and need no thread). A TF1 session starts the independent o
 one run in any order, so with fewer threads than collectives that may wait at once (the
 default pool has one thread per core) every thread of a rank can end up waiting for a
 collective that the other ranks have not reached. :func:`make_room` (run when the job
-module is imported after TensorFlow, and by ``hvd.init()``) gives the pool
-:data:`INTER_OP_THREADS` threads: through
-``tf.config.threading`` when TensorFlow has not started yet, otherwise as the default of
-every TF1 session made afterwards whose config does not size the pool itself. A script
-that sized the pool (``TF_NUM_INTEROP_THREADS``, ``tf.config.threading``, a session's
-``ConfigProto(inter_op_parallelism_threads=...)``) keeps its size.
+module is imported, and by ``hvd.init()``) gives the pool :data:`INTER_OP_THREADS`
+threads: through TensorFlow's ``TF_NUM_INTEROP_THREADS`` when TensorFlow is not imported
+yet (a script that imports it after ``hvd.init()``: TensorFlow reads the variable when
+it makes its pools), through ``tf.config.threading`` when it is imported but has not
+started, otherwise as the default of every TF1 session made afterwards whose config does
+not size the pool itself. A script that sized the pool (``TF_NUM_INTEROP_THREADS``,
+``tf.config.threading``, a session's ``ConfigProto(inter_op_parallelism_threads=...)``)
+keeps its size.
 """
 from __future__ import annotations
 
@@ -31,8 +33,11 @@ _sessions_sized = False
 
 
 def make_room() -> None:
+    if os.environ.get("TF_NUM_INTEROP_THREADS"):
+        return
     tf = sys.modules.get("tensorflow")
-    if tf is None or os.environ.get("TF_NUM_INTEROP_THREADS"):
+    if tf is None:  # TensorFlow reads it when it makes its thread pools
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(INTER_OP_THREADS)
         return
     try:
         if tf.config.threading.get_inter_op_parallelism_threads() == 0:

@@ -90,7 +90,7 @@ class Control:
             entry["group"] = list(group)
         if counts is not None:
             entry["counts"] = list(counts)
-        if (kind == "allreduce" and group is None and self._paths.transport == "grpc"
+        if (kind == "allreduce" and group is None and self._paths.transport in ("grpc", "tcp")
                 and entry["nbytes"] * (self._size - 1) <= _GATHER_MAX_BYTES):
             entry["_data"] = arr if wire is None else to_wire(arr, wire)
         return entry

@@ -1,8 +1,9 @@
 """The serving side of the gRPC mesh: the handshake a connecting peer must pass, and
 each authenticated peer's incoming stream of frames.
 
-A frame is ``kind (1 byte) | tag (8 bytes) | payload``. Data frames are queued per
-source for the ring, which takes them in order with ``recv_data``; control frames
+A frame is ``kind (1 byte) | tag (8 bytes) | payload``. Data frames (from the stream, or
+from a peer's own data connection on the ``tcp`` data path) are queued per source for
+the ring, which takes them in order with ``recv_data``; control frames
 (``messages.py``) are handed to a callback as they arrive, on the stream's thread. A
 goodbye frame is queued after every data frame its sender sent, so a collective that
 still needs a departed peer fails with a message saying so rather than a timeout. A
@@ -57,6 +58,8 @@ class Inbound:
         self.goodbye: set[int] = set()       # peers that said goodbye
         self.last_frame: dict[int, float] = {}
         self._inbox: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in range(self.size)}
+        # Peers whose data frames come over a connection of their own (``tcp_links.py``).
+        self.data_elsewhere: set[int] = set()
 
     def handler(self) -> Any:
         import grpc
@@ -112,7 +115,8 @@ class Inbound:
                 elif kind == BYE:
                     with self._cond:
                         self.goodbye.add(src)
-                    inbox.put(_DEPARTED)  # after every data frame it sent
+                    if src not in self.data_elsewhere:   # else its data connection says when
+                        inbox.put(_DEPARTED)  # after every data frame it sent
                     if self._on_departed is not None:
                         self._on_departed(src)
             ended = "closed its connection to this rank without saying goodbye"
@@ -135,6 +139,15 @@ class Inbound:
             return bytes(data[_HEADER:]).decode(errors="replace")
 
     # ------------------------------------------------------------------ data
+    def deliver_data(self, src: int, data: bytes | bytearray) -> None:
+        """A data frame from ``src`` that came over its own connection."""
+        self.last_frame[src] = time.monotonic()
+        self._inbox[src].put(data)
+
+    def data_departed(self, src: int) -> None:
+        """``src`` sent its last data frame over its own connection."""
+        self._inbox[src].put(_DEPARTED)
+
     def recv_data(self, src: int, tag: int, timeout: float) -> memoryview:
         """Next data frame from ``src``; raises PeerLostError on a wake-up sentinel or timeout."""
         try:

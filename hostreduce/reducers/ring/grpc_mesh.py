@@ -74,6 +74,7 @@ class GrpcMesh:
         self._started = time.monotonic()
         self._connect_timeout = 0.0
         self._waited = False  # whether the missing-peer notice was logged
+        self._data: Any = None  # the data connections on the ``tcp`` data path
 
     # ------------------------------------------------------------------ start-up
     def start(self, connect_timeout_s: float) -> None:
@@ -258,7 +259,22 @@ class GrpcMesh:
         self._peer_lost(peer, f"rank {peer} ({self.addresses[peer]}) {why}")
 
     # ------------------------------------------------------------------ traffic
+    def data_links(self, links_of: Callable[..., Any]) -> Any:
+        """Data frames over connections of their own (``tcp_links.TcpLinks``), made by
+        ``links_of(deliver=..., departed=..., on_lost=..., said_goodbye=...)``;
+        returned, not in use until :meth:`use_data_links`."""
+        return links_of(deliver=self._in.deliver_data, departed=self._in.data_departed, on_lost=self._peer_lost,
+                        said_goodbye=lambda src: src in self._in.goodbye)
+
+    def use_data_links(self, links: Any) -> None:
+        """From now on, data frames go over ``links`` (connected to every peer)."""
+        self._in.data_elsewhere.update(p for p in range(self.size) if p != self.rank)
+        self._data = links
+
     def send(self, dst: int, kind: int, tag: int, payload: bytes | np.ndarray = b"") -> None:
+        if kind == DATA and self._data is not None:
+            self._data.send(dst, tag, payload)
+            return
         self._outbox[dst].put(frame(kind, tag, payload))
 
     def recv_data(self, src: int, tag: int, timeout: float) -> memoryview:
@@ -285,6 +301,8 @@ class GrpcMesh:
             return
         self._closed = True
         self._closing = True
+        if self._data is not None:   # its goodbyes follow its data frames, before gRPC's
+            self._data.close(graceful=graceful)
         for out in self._outbox.values():
             if graceful:
                 out.put(frame(BYE, 0))

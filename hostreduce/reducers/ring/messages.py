@@ -241,16 +241,19 @@ class Join:
     host: str
     pid: int
     start: int
+    data_port: int = 0   # its data listener (``tcp_links.py``); 0: none
 
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
-    """Start-up, from rank 0: the job's data path and its entries' token, or an error."""
+    """Start-up, from rank 0: the job's data path and its entries' token (and on the
+    ``tcp`` path every rank's data port), or an error."""
 
     rank: int
     transport: str = ""
     token: str = ""
     error: str = ""
+    ports: list[int] = field(default_factory=list)   # every rank's data port, on the ``tcp`` path
 
 
 @dataclass(frozen=True, slots=True)

@@ -460,5 +460,6 @@ def decide_data_path(joins: list[Join]) -> Welcome:
         hosts = sorted({j.host for j in joins})
         return Welcome(0, error=f"`transport`='shm' needs every worker on one host. Received workers on {hosts}")
     if transport == "auto":
-        transport = "shm" if same_host else "grpc"
-    return Welcome(0, transport=transport, token=secrets.token_hex(8))
+        transport = "shm" if same_host else "tcp"
+    ports = [j.data_port for j in joins] if transport == "tcp" else []
+    return Welcome(0, transport=transport, token=secrets.token_hex(8), ports=ports)

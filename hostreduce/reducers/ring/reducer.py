@@ -134,7 +134,7 @@ class RingReducer(Reducer):
 
     @property
     def transport(self) -> str:
-        """The data path: "local" (one rank), "grpc" or "shm"."""
+        """The data path: "local" (one rank), "grpc", "tcp" or "shm"."""
         return self._paths.transport
 
     @property
@@ -327,6 +327,8 @@ class RingReducer(Reducer):
         self._control.stop()
         if self._lane is not None:
             self._lane.leave()  # peers waiting on this rank's lane word stop now
+        if paths.data is not None:   # its goodbyes follow its data frames, before gRPC's
+            paths.data.close(graceful=graceful)
         if paths.mesh is not None:
             paths.mesh.close(graceful=graceful)
         self._execution.join(5.0)

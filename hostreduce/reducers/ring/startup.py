@@ -2,9 +2,11 @@
 host the shared memory and named pipes.
 
 Every rank connects to every other (``grpc_mesh.py``), then sends rank 0 a ``Join``
-with its settings, host and process; rank 0 answers every rank with one ``Welcome``
-(``negotiation.decide_data_path``): the data path, or an error naming the setting on
-which the ranks disagree, so that every rank fails with the same message. On one host
+with its settings, host and process (and, unless told to use gRPC for data, the port of
+its data listener, ``tcp_links.py``); rank 0 answers every rank with one ``Welcome``
+(``negotiation.decide_data_path``): the data path (with every rank's data port), or an
+error naming the setting on which the ranks disagree, so that every rank fails with the
+same message. On the ``tcp`` path every rank then connects to every peer's listener. On one host
 rank 0 first removes what killed jobs left in /dev/shm, records the job's owners
 (``_stale.py``) and creates the shared control segment and the pipes, so that all exist
 before any peer learns their names. Two shared-memory barriers follow (every rank reads
@@ -13,10 +15,12 @@ which rank 0 removes the names: the open ends stay valid, and nothing is left be
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,6 +32,7 @@ from .local_ctl import LocalControl
 from .messages import Join, Welcome, encode
 from .negotiation import decide_data_path
 from .shm import ShmGroup
+from .tcp_links import TcpLinks
 
 __all__ = ["Paths", "Startup"]
 
@@ -37,11 +42,12 @@ log = logging.getLogger("hostreduce.ring")
 @dataclass
 class Paths:
     """What the start-up made, filled in as it is made (so that a start-up that fails
-    closes what exists). ``transport`` is the data path: "local" (one rank), "grpc" or
-    "shm"."""
+    closes what exists). ``transport`` is the data path: "local" (one rank), "grpc",
+    "tcp" or "shm"."""
 
     transport: str = "local"
     mesh: GrpcMesh | None = None
+    data: TcpLinks | None = None        # the data connections (``tcp``), once listening
     link: RingLink | None = None
     shm: ShmGroup | None = None
     local: LocalControl | None = None   # the control pipes, on one host
@@ -92,10 +98,16 @@ class Startup:
                                      on_peer_lost=self._on_peer_lost, on_departed=self._on_departed)
         self._live.attach(mesh)
         mesh.start(cfg.connect_timeout_s)
+        deadline = time.monotonic() + cfg.connect_timeout_s
         from ._stale import start_time
 
+        port = 0
+        if cfg.transport in ("auto", "tcp"):   # the data path between hosts (tcp_links.py)
+            paths.data = mesh.data_links(functools.partial(TcpLinks, rank, self._addresses, cfg.secret or "",
+                                                           bind_host=cfg.bind_host, timeout_s=cfg.timeout_s))
+            port = paths.data.listen()
         hello = Join(rank, cfg.transport, cfg.chunk_bytes, cfg.fast_lane, cfg.single_copy, socket.gethostname(),
-                     os.getpid(), start_time(os.getpid()))
+                     os.getpid(), start_time(os.getpid()), port)
         if rank == 0:
             joins = [hello]
             while len(joins) < self._size:
@@ -119,6 +131,13 @@ class Startup:
         if welcome.error:
             raise ConfigError(welcome.error)
         paths.transport = welcome.transport
+        if paths.data is not None:
+            if paths.transport == "tcp":
+                paths.data.connect(welcome.ports, deadline)
+                mesh.use_data_links(paths.data)
+            else:
+                paths.data.close()
+                paths.data = None
         if paths.transport == "shm":
             if rank != 0:
                 paths.token = welcome.token

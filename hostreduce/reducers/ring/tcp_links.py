@@ -1,0 +1,336 @@
+"""The ring's data frames over plain TCP connections, one per ordered pair of ranks.
+
+gRPC carries the ring's control messages and, on the ``grpc`` data path, its data too;
+grpcio's cost per byte is about three times a plain socket's (``docs/performance.md``).
+On the ``tcp`` data path (the default between hosts) each rank opens a listening socket
+during the start-up, before it joins, at the address it is told to bind (as its gRPC
+server does) on a port the system picks, and says which in its ``Join``; rank 0's
+``Welcome`` lists every rank's port. Each rank then connects to every peer once, for
+the frames it sends that peer, and accepts one connection from every peer, for the
+frames it receives. The listener closes as soon as every peer has connected: no
+stranger can reach it after the start-up.
+
+A connection proves job membership before any frame is read, both ways, with the
+secret (``transport/auth.py``): the listener sends a fresh nonce; the connecting rank
+answers with its rank, a nonce of its own and its proof of the listener's; the listener
+checks the proof and answers with its proof of the connecting rank's nonce. Everything
+a connection sends before that is fixed-size and bounded; a handshake that does not
+finish within :data:`HANDSHAKE_S` is dropped; at most :data:`_MAX_HANDSHAKES`
+handshakes run at once (a connection beyond them is closed at once); every refusal is
+logged. A connection that proves a rank already connected is refused.
+
+A frame is ``kind (1 byte) | tag (8 bytes) | length (8 bytes) | payload``. The reader
+of each incoming connection hands data frames to the mesh's per-source queue exactly as
+gRPC's stream does (``grpc_inbound.Inbound``), in order. A goodbye frame follows every
+data frame a closing rank sent; a connection that ends without one means the peer died,
+which is reported at once (unless the peer said goodbye over gRPC first).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ...errors import AuthenticationError, ClusterError, PeerLostError
+from ...transport import admission, auth
+
+__all__ = ["TcpLinks", "HANDSHAKE_S"]
+
+log = logging.getLogger("hostreduce.ring")
+
+DATA, BYE = 1, 4            # the frame kinds gRPC's stream uses for the same frames
+_FRAME = struct.Struct("<BQQ")
+_RANK = struct.Struct("<I")
+_NONCE = 32                 # auth.new_nonce(): 32 hex digits
+_PROOF = 64                 # auth.prove(): 64 hex digits
+_ROLE_CLIENT, _ROLE_SERVER = "data-client", "data-server"
+# How long a connection may take to prove itself (a real peer answers at once).
+HANDSHAKE_S = 5.0
+# Handshakes in progress at once; a connection beyond them is closed without one.
+_MAX_HANDSHAKES = 16
+# The largest data frame a member may send (the ring's chunks are ``chunk_bytes``; an
+# all-gather's or all-to-all's parts go whole).
+_MAX_FRAME = 1 << 34
+# Frames up to this size go in one send with their header.
+_SMALL = 64 << 10
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("connection closed")
+        got += k
+    return bytes(buf)
+
+
+class TcpLinks:
+    """One rank's TCP data connections. ``deliver(src, frame)`` takes a data frame
+    (``kind | tag | payload``, as gRPC's stream gives it); ``departed(src)`` says a peer
+    sent its last frame; ``on_lost(src, why)`` reports a peer whose connection broke."""
+
+    def __init__(self, rank: int, addresses: tuple[str, ...], secret: str, *, bind_host: str = "",
+                 timeout_s: float, deliver: Callable[[int, bytearray], None], departed: Callable[[int], None],
+                 on_lost: Callable[[int, str], None], said_goodbye: Callable[[int], bool]) -> None:
+        self.rank, self.size, self.addresses = rank, len(addresses), addresses
+        self._secret = secret
+        self._bind_host = bind_host
+        self._timeout = timeout_s
+        self._deliver, self._departed, self._on_lost, self._said_goodbye = deliver, departed, on_lost, said_goodbye
+        self._cond = threading.Condition()
+        self._listener: socket.socket | None = None
+        self._incoming: dict[int, socket.socket] = {}
+        self._outgoing: dict[int, socket.socket] = {}
+        self._send_locks = {p: threading.Lock() for p in range(self.size)}
+        self._handshakes = 0
+        self._closing = False
+        self.refusals = admission.Refusals(rank, name=f"rank {rank} (data links)")
+        self.port = 0
+
+    # ------------------------------------------------------------------ start-up
+    def listen(self) -> int:
+        """Open the listening socket (once); return its port."""
+        if self.port:
+            return self.port
+        host = self._bind_host or _split(self.addresses[self.rank])[0]
+        try:
+            family, kind, proto, _, where = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE)[0]
+            listener = socket.socket(family, kind, proto)
+            listener.bind(where)
+            listener.listen(2 * self.size + 8)
+        except OSError as e:
+            raise ClusterError(f"Rank {self.rank} cannot listen for data connections on {host!r}: {e}. The `tcp` "
+                               "data path needs a port of the system's choosing at that address; "
+                               "HOSTREDUCE_TRANSPORT=grpc sends the data over the gRPC port instead") from None
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        threading.Thread(target=self._accept, name=f"hostreduce-data-accept-{self.rank}", daemon=True).start()
+        return self.port
+
+    def connect(self, ports: list[int], deadline: float) -> None:
+        """Connect to every peer's listener and wait until every peer has connected to
+        this rank's; then close the listener. Raises at ``deadline``."""
+        if len(ports) != self.size:
+            raise ClusterError(f"Rank {self.rank}: the start-up listed {len(ports)} data ports for {self.size} ranks")
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._connect(peer, int(ports[peer]), deadline)
+        with self._cond:
+            while len(self._incoming) < self.size - 1:
+                left = deadline - time.monotonic()
+                missing = sorted(set(range(self.size)) - set(self._incoming) - {self.rank})
+                if left <= 0:
+                    raise self.refusals.timeout_error(
+                        "Rank {}: the data connections of {} did not arrive within connect_timeout_s".format(
+                            self.rank, ", ".join(f"rank {m} at {self.addresses[m]!r}" for m in missing)), missing)
+                self._cond.wait(min(left, 0.1))
+        self._stop_listening()
+
+    def _connect(self, peer: int, port: int, deadline: float) -> None:
+        host = _split(self.addresses[peer])[0]
+        where = f"{host}:{port}"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClusterError(f"Rank {self.rank}: could not open the data connection to rank {peer} at "
+                                   f"{where!r} within connect_timeout_s (a firewall between the hosts may allow "
+                                   "only the gRPC port: HOSTREDUCE_TRANSPORT=grpc sends the data there)")
+            try:
+                sock = socket.create_connection((host, port), timeout=min(left, HANDSHAKE_S))
+                break
+            except OSError:
+                time.sleep(0.05)
+        try:
+            sock.settimeout(max(0.1, min(deadline - time.monotonic(), HANDSHAKE_S)))
+            server_nonce = _read_exact(sock, _NONCE).decode("ascii", "replace")
+            mine = auth.new_nonce()
+            proof = auth.prove(self._secret, _ROLE_CLIENT, server_nonce, self.rank, peer)
+            sock.sendall(_RANK.pack(self.rank) + mine.encode() + proof.encode())
+            answer = _read_exact(sock, _PROOF).decode("ascii", "replace")
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise AuthenticationError(
+                f"Rank {self.rank}: rank {peer} at {where!r} refused this rank's data connection ({e}): its "
+                "HOSTREDUCE_SECRET differs from ours, or it belongs to another job") from None
+        if not auth.verify(self._secret, _ROLE_SERVER, mine, peer, self.rank, answer):
+            sock.close()
+            raise AuthenticationError(f"Rank {self.rank}: the process at {where!r} failed to prove it is rank {peer} "
+                                      "of this job (its HOSTREDUCE_SECRET differs from ours)")
+        sock.settimeout(self._timeout)   # a send that a hung peer does not take fails in time
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._outgoing[peer] = sock
+
+    def _accept(self) -> None:
+        listener = self._listener
+        while listener is not None:
+            try:
+                sock, addr = listener.accept()
+            except OSError:
+                return  # closed
+            who = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            with self._cond:
+                busy = self._handshakes >= _MAX_HANDSHAKES
+                if not busy:
+                    self._handshakes += 1
+            if busy:
+                sock.close()
+                self._refuse(who, None, f"more than {_MAX_HANDSHAKES} handshakes at once")
+                continue
+            threading.Thread(target=self._handshake, args=(sock, who), name=f"hostreduce-data-hello-{self.rank}",
+                             daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, who: str) -> None:
+        claimed: int | None = None
+        try:
+            sock.settimeout(HANDSHAKE_S)
+            nonce = auth.new_nonce()
+            sock.sendall(nonce.encode())
+            hello = _read_exact(sock, _RANK.size + _NONCE + _PROOF)
+            claimed = _RANK.unpack_from(hello)[0]
+            theirs = hello[_RANK.size:_RANK.size + _NONCE].decode("ascii", "replace")
+            proof = hello[_RANK.size + _NONCE:].decode("ascii", "replace")
+            if not 0 <= claimed < self.size or claimed == self.rank:
+                why, claimed = f"claimed rank {admission.short(claimed)} is not a peer of this job", None
+            elif not auth.verify(self._secret, _ROLE_CLIENT, nonce, claimed, self.rank, proof):
+                why = "bad proof of membership (HOSTREDUCE_SECRET differs, or another job)"
+            else:
+                with self._cond:
+                    taken = claimed in self._incoming or self._closing
+                    if not taken:
+                        self._incoming[claimed] = sock
+                why = f"rank {claimed} is already connected" if taken else ""
+                if not taken:
+                    sock.sendall(auth.prove(self._secret, _ROLE_SERVER, theirs, self.rank, claimed).encode())
+                    sock.settimeout(None)   # the peer's liveness is watched over gRPC
+                    with self._cond:
+                        self._cond.notify_all()
+            if why:
+                sock.close()
+                self._refuse(who, claimed, why)
+                return
+        except (OSError, ConnectionError, UnicodeError) as e:
+            sock.close()
+            with self._cond:
+                if claimed is not None and self._incoming.get(claimed) is sock:
+                    del self._incoming[claimed]
+            self._refuse(who, claimed, f"handshake failed ({type(e).__name__}: {e})")
+            return
+        finally:
+            with self._cond:
+                self._handshakes -= 1
+        assert claimed is not None
+        self._read(claimed, sock)
+
+    def _refuse(self, who: str, claimed: int | None, why: str) -> None:
+        with self._cond:
+            connected = set(self._incoming)
+        self.refusals.refuse(who, claimed, why, connected)
+
+    def _stop_listening(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
+
+    # ------------------------------------------------------------------ traffic
+    def _read(self, src: int, sock: socket.socket) -> None:
+        """The reader of ``src``'s connection: frames into the mesh's queue, in order."""
+        head = bytearray(_FRAME.size)
+        ended = ""
+        try:
+            while True:
+                view, got = memoryview(head), 0
+                while got < _FRAME.size:
+                    k = sock.recv_into(view[got:])
+                    if not k:
+                        raise ConnectionError("closed without saying goodbye")
+                    got += k
+                kind, tag, length = _FRAME.unpack(head)
+                if kind == BYE:
+                    self._departed(src)
+                    return
+                if kind != DATA or length > _MAX_FRAME:
+                    ended = f"sent a malformed data frame (kind {kind}, {length} bytes)"
+                    break
+                frame = bytearray(9 + length)
+                frame[0] = DATA
+                frame[1:9] = int(tag).to_bytes(8, "little")
+                view, got = memoryview(frame), 9
+                while got < len(frame):
+                    k = sock.recv_into(view[got:])
+                    if not k:
+                        raise ConnectionError("closed in the middle of a frame")
+                    got += k
+                self._deliver(src, frame)
+        except (OSError, ConnectionError) as e:
+            ended = f"dropped its data connection to this rank ({e})"
+        finally:
+            sock.close()
+        if self._closing:
+            return
+        if self._said_goodbye(src):
+            self._departed(src)
+            return
+        self._on_lost(src, f"rank {src} ({self.addresses[src]}) {ended} (its process ended, or the network failed)")
+
+    def send(self, dst: int, tag: int, payload: bytes | np.ndarray = b"") -> None:
+        """A data frame to ``dst`` (thread-safe; frames to one peer keep their order)."""
+        if isinstance(payload, np.ndarray):
+            body: Any = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+        else:
+            body = memoryview(payload)
+        head = _FRAME.pack(DATA, tag, body.nbytes)
+        sock = self._outgoing.get(dst)
+        if sock is None:
+            raise PeerLostError(f"Rank {self.rank}: no data connection to rank {dst}: the job is closing")
+        try:
+            with self._send_locks[dst]:
+                if body.nbytes <= _SMALL:
+                    sock.sendall(head + bytes(body))
+                else:
+                    sock.sendall(head)
+                    sock.sendall(body)
+        except OSError as e:
+            raise PeerLostError(f"Rank {self.rank}: could not send to rank {dst} ({self.addresses[dst]}) within "
+                                f"timeout_s={self._timeout}: {e} (the peer is hung, gone or unreachable)") from None
+
+    def close(self, graceful: bool = True) -> None:
+        """Say goodbye on every outgoing connection (after every frame sent) and close."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+        self._stop_listening()
+        for peer, sock in list(self._outgoing.items()):
+            try:
+                if graceful:
+                    with self._send_locks[peer]:
+                        sock.settimeout(1.0)
+                        sock.sendall(_FRAME.pack(BYE, 0, 0))
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        with self._cond:
+            incoming = list(self._incoming.values())
+        for sock in incoming:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
