@@ -9,9 +9,9 @@ cluster of shaped links, against the bound a ring can reach on those links.
 
 Every worker runs in its own network namespace behind a bridge (see ``netcluster.py``);
 its link is shaped to the rate B in both directions. For each rate and N the workers
-all-reduce (sum) a float32 buffer of S bytes with hostreduce's ``ring`` reducer over
-gRPC (``transport="grpc"``: the namespaces share one hostname, and "auto" would take
-shared memory). An optimal ring moves 2(N-1)/N * S bytes through each link in each
+all-reduce (sum) a float32 buffer of S bytes with hostreduce's ``ring`` reducer on
+its data path between hosts, ``tcp`` (``--transport grpc``: the data over gRPC; the
+namespaces share one hostname, and "auto" would take shared memory). An optimal ring moves 2(N-1)/N * S bytes through each link in each
 direction, so no all-reduce can take less than ``bound = 2(N-1)/N * S / B``; the script
 reports ``bound / time`` (equal to bus bandwidth / B), which should stay flat as N
 grows. The same workers on plain loopback (no shaping, shared CPU only) run beside it:
@@ -52,7 +52,7 @@ TARGET_FLAT = 0.9    # ratio at the largest N over the ratio at N = 2
 def _measure(plan: dict, workdir: Path) -> None:
     from benchmarks.impls.collectives import Ring
 
-    ring = Ring("grpc")
+    ring = Ring(plan["transport"])
     rank, size = ring.rank, ring.size
     with open(workdir / f"rank{rank}.jsonl", "a") as out:
         out.write(json.dumps({"kind": "hello", "rank": rank, "size": size, "connect_s": round(ring.connect_s, 3)})
@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=None, help="comma-separated buffer sizes (default 16M,64M; --quick: 1M)")
     p.add_argument("--rates", default=None, help="comma-separated link rates (default 1gbit,10gbit; --quick: 1gbit)")
     p.add_argument("--no-loopback", action="store_true", help="skip the unshaped loopback runs")
+    p.add_argument("--transport", choices=("tcp", "grpc"), default="tcp",
+                   help="the ring's data path (default tcp, its path between hosts)")
     p.add_argument("--quick", action="store_true", help="smoke run: N=2, 1 MiB, 1 Gbit/s + loopback (< 60 s)")
     p.add_argument("--reps", type=int, default=None, help="fixed timed repetitions per cell")
     p.add_argument("--target-s", type=float, default=2.0, help="timed seconds per cell when adapting reps")
@@ -264,15 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     quiet = report.wait_for_quiet(args.max_load, args.max_wait_s)
     plan = {"sizes": sizes, "reps": args.reps if args.reps is not None else (2 if args.quick else None),
             "warmup": 1, "target_s": args.target_s, "min_reps": args.min_reps, "max_reps": args.max_reps,
-            "rate_check_s": 0.3 if args.quick else 1.0, "worker_timeout_s": 550.0}
+            "rate_check_s": 0.3 if args.quick else 1.0, "worker_timeout_s": 550.0, "transport": args.transport}
     rep = report.Report(
         args.out, "scale", "scale",
-        "float32 all-reduce (sum, in place) with hostreduce's ring over gRPC, one worker per "
+        f"float32 all-reduce (sum, in place) with hostreduce's ring ({args.transport} data path), one worker per "
         "network namespace, links shaped to B per direction; time = slowest rank's median",
         packages=("grpcio",), environment_extra={"load_wait": quiet, "namespaces_usable": usable,
                                                  "namespaces_reason": why},
         settings={"np": nps, "sizes": sizes, "rates": rates, "networks": networks, "quick": args.quick,
-                  "plan": plan, "transport": "grpc", "bound": "2(N-1)/N * S / B",
+                  "plan": plan, "transport": args.transport, "bound": "2(N-1)/N * S / B",
                   "target": {"ratio_to_bound_at_max_np": TARGET_RATIO, "flatness": TARGET_FLAT},
                   "netcluster": {"subnet": NC.DEFAULT_SUBNET, "shaping": "tbf on both ends of every link, "
                                  "burst 256kb per Gbit/s, latency 50ms", "mtu": 1500}},

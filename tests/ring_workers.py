@@ -195,9 +195,9 @@ def intruders_are_refused(rank: int, size: int) -> dict:
         return {"refused": refused, "other_loopback": other_loopback, "ok": bool(np.all(ok == size))}
 
 
-def one_rank_closes_early(rank: int, size: int, leaver: int, marks: str) -> str:
+def one_rank_closes_early(rank: int, size: int, leaver: int, marks: str, transport: str = "auto") -> str:
     """A rank that closes its reducer makes the others' next collective fail fast."""
-    r = make_reducer("auto", timeout_s=20.0)
+    r = make_reducer(transport, timeout_s=20.0)
     r.allreduce("together", np.ones(8, np.float32))
     r.barrier()
     if rank == leaver:

@@ -146,7 +146,7 @@ def test_overlap_device_run_writes_every_system(tmp_path: Path) -> None:
         # The compute is the profile's: 3 x (10 + 20) ms at least, whatever the machine.
         assert row["compute_ms"] >= 90 * 0.99
     assert rows[("ring", "streamed")]["engine"] != rows[("mpi", "streamed")]["engine"]
-    assert rows[("ring", "streamed")]["transport"] == ("grpc" if network != "loopback" else rows[("ring", "streamed")]["transport"])
+    assert rows[("ring", "streamed")]["transport"] == ("tcp" if network != "loopback" else rows[("ring", "streamed")]["transport"])
     assert (tmp_path / "overlap.device.png").stat().st_size > 0
     assert (tmp_path / f"overlap.device.timeline.tiny-{network}-np2.png").stat().st_size > 0
     assert "hidden" in proc.stdout

@@ -32,7 +32,7 @@ def test_scale_quick_writes_every_field(tmp_path: Path) -> None:
         assert key in result, key
     assert result["environment"]["loadavg_at_start"] and result["environment"]["loadavg_at_end"]
     assert result["settings"]["np"] == [2] and result["settings"]["sizes"] == [1 << 20]
-    assert result["settings"]["transport"] == "grpc"
+    assert result["settings"]["transport"] == "tcp"
     usable = NC.netns_usable()[0]
     networks = ["loopback", "1gbit"] if usable else ["loopback"]
     assert result["settings"]["networks"] == networks

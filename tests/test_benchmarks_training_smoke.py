@@ -77,7 +77,7 @@ def test_overlap_quick_writes_every_field(tmp_path: Path) -> None:
             assert min(str_starts) < bwd_end["streamed"]
         assert (tmp_path / f"overlap.timeline.{network}-np2.png").stat().st_size > 0
     if usable:
-        assert rows["1gbit"]["transport"] == "grpc" and rows["1gbit"]["link_rate_bps"] == 1e9
+        assert rows["1gbit"]["transport"] == "tcp" and rows["1gbit"]["link_rate_bps"] == 1e9
         assert {t["what"] for t in result["targets"]} == {
             "1gbit N=2: hidden fraction", "1gbit N=2: T_streamed / max(T_compute, T_reduction)"}
     assert (tmp_path / "overlap.png").stat().st_size > 0

@@ -25,9 +25,10 @@ EXIT_AFTER_S = 10.0
 SLACK_S = 3.0
 
 
-def _env(marks: Path) -> dict[str, str]:
+def _env(marks: Path, transport: str = "auto") -> dict[str, str]:
     env = {k: v for k, v in base_env().items() if not k.startswith("HOSTREDUCE_")}
     env["HOSTREDUCE_TIMEOUT_S"] = str(TIMEOUT_S)
+    env["HOSTREDUCE_TRANSPORT"] = transport
     env["PYTHONUNBUFFERED"] = "1"
     env["JOB_END_MARKS"] = str(marks)
     return env
@@ -44,8 +45,8 @@ def _stamp(text: str, word: str) -> dict[int, float]:
     return {int(r): float(t) for r, t in re.findall(rf"{word} (\d+) ([0-9.]+)", text)}
 
 
-def _hand_started(job: Job, tmp_path: Path, size: int, *args: str) -> list[Worker]:
-    return run_by_hand(SCRIPT, ["ring", *args], np=size, timeout=60, env=_env(tmp_path), job=job)
+def _hand_started(job: Job, tmp_path: Path, size: int, *args: str, transport: str = "auto") -> list[Worker]:
+    return run_by_hand(SCRIPT, ["ring", *args], np=size, timeout=60, env=_env(tmp_path, transport), job=job)
 
 
 def _failure_plan(size: int) -> tuple[int, int, str]:
@@ -83,9 +84,10 @@ def test_workers_that_never_close_exit_within_seconds_of_finishing(job, tmp_path
     assert lag < EXIT_AFTER_S, f"a worker took {lag:.1f} s to exit after finishing"
 
 
-def _raise(job: Job, tmp_path: Path, size: int, mode: str) -> tuple[list[Worker], dict[int, float], int, str]:
+def _raise(job: Job, tmp_path: Path, size: int, mode: str, transport: str = "auto"
+           ) -> tuple[list[Worker], dict[int, float], int, str]:
     victim, step, seed = _failure_plan(size)
-    workers = _hand_started(job, tmp_path, size, mode, "40", str(victim), str(step))
+    workers = _hand_started(job, tmp_path, size, mode, "40", str(victim), str(step), transport=transport)
     raised = _stamp(workers[victim].output, "RAISING")
     assert victim in raised, (seed, workers[victim].stderr[-3000:])
     assert "ValueError: boom" in workers[victim].stderr, seed
@@ -104,6 +106,13 @@ def _raise(job: Job, tmp_path: Path, size: int, mode: str) -> tuple[list[Worker]
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_worker_that_raises_ends_every_worker_non_zero(job, tmp_path, size, mode):
     _raise(job, tmp_path, size, mode)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_worker_that_raises_tells_every_worker_why_on_the_tcp_data_path(job, tmp_path, size):
+    # The failure report over gRPC, not the end of the data connection, names the cause.
+    _raise(job, tmp_path, size, "raise", transport="tcp")
 
 
 @pytest.mark.perf

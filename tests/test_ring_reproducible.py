@@ -19,7 +19,7 @@ SUPPORTED_DTYPES = tuple(d for d in ALL_DTYPES if d.name in ("float16", "float32
 from hostreduce.testing import run_ranks
 
 SIZE = 4
-PATHS = ("shm", "shm-copy", "grpc")
+PATHS = ("shm", "shm-copy", "tcp")
 # Around the gRPC chunk (64 KiB here), the shared-memory block (1 MiB) and the segment
 # edges of a fused bucket; the small ones are gathered by rank 0 over gRPC.
 LENGTHS = (1, 3, 1000, 16_383, 16_385, 70_001, 262_145, 1_048_579)

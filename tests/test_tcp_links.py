@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from hostreduce.errors import AuthenticationError
+from hostreduce.errors import AuthenticationError, PeerLostError
 from hostreduce.reducers.ring import tcp_links
 from hostreduce.reducers.ring.tcp_links import TcpLinks
 
@@ -138,6 +138,58 @@ def test_strangers_are_refused_logged_and_cost_nothing(caplog: pytest.LogCapture
         sock.close()
     for p in peers:
         p.links.close()
+
+
+def test_a_peer_meeting_a_flood_of_handshakes_connects_once_they_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every handshake slot held by a stranger that sends nothing (or a byte now and
+    then): each is dropped at its deadline, and the real peer, turned away meanwhile,
+    connects then."""
+    monkeypatch.setattr(tcp_links, "HANDSHAKE_S", 1.0)
+    peers = [Peer(r, 2) for r in range(2)]
+    ports = [p.links.listen() for p in peers]
+    held = [socket.create_connection(("127.0.0.1", ports[1]), timeout=5.0) for _ in range(tcp_links._MAX_HANDSHAKES)]
+    drip = held[0]
+    stop = threading.Event()
+
+    def trickle() -> None:   # one byte now and then: the deadline is for the whole handshake
+        while not stop.wait(0.3):
+            try:
+                drip.sendall(b"0")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    _connect_all(peers)
+    stop.set()
+    peers[0].links.send(1, 3, b"through")
+    peers[1].wait_for(lambda: peers[1].frames[0])
+    assert peers[1].links.refusals.count >= 1
+    drip.settimeout(5.0)   # the trickling stranger was dropped at its deadline, too
+    while drip.recv(64):
+        pass
+    for sock in held:
+        sock.close()
+    for p in peers:
+        p.links.close()
+
+
+def test_a_malformed_frame_from_a_member_is_reported_not_taken() -> None:
+    peers = [Peer(r, 2) for r in range(2)]
+    _connect_all(peers)
+    peers[0].links._outgoing[1].sendall(tcp_links._FRAME.pack(9, 0, 4) + b"abcd")
+    peers[1].wait_for(lambda: peers[1].lost)
+    assert "malformed data frame (kind 9" in peers[1].lost[0][1] and not peers[1].frames[0]
+    for p in peers:
+        p.links.close()
+
+
+def test_sends_after_close_or_a_failed_send_say_so() -> None:
+    peers = [Peer(r, 2) for r in range(2)]
+    _connect_all(peers)
+    peers[0].links.close()
+    with pytest.raises(PeerLostError, match="closing"):
+        peers[0].links.send(1, 1, b"late")
+    peers[1].links.close()
 
 
 def test_a_flood_of_handshakes_is_bounded(caplog: pytest.LogCaptureFixture) -> None:

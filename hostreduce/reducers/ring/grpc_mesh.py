@@ -264,7 +264,7 @@ class GrpcMesh:
         ``links_of(deliver=..., departed=..., on_lost=..., said_goodbye=...)``;
         returned, not in use until :meth:`use_data_links`."""
         return links_of(deliver=self._in.deliver_data, departed=self._in.data_departed, on_lost=self._peer_lost,
-                        said_goodbye=lambda src: src in self._in.goodbye)
+                        said_goodbye=lambda src: src in self._in.goodbye or src in self._failed)
 
     def use_data_links(self, links: Any) -> None:
         """From now on, data frames go over ``links`` (connected to every peer)."""
@@ -301,8 +301,6 @@ class GrpcMesh:
             return
         self._closed = True
         self._closing = True
-        if self._data is not None:   # its goodbyes follow its data frames, before gRPC's
-            self._data.close(graceful=graceful)
         for out in self._outbox.values():
             if graceful:
                 out.put(frame(BYE, 0))
@@ -312,6 +310,8 @@ class GrpcMesh:
                 call.result(timeout=2.0)
             except Exception:
                 pass
+        if self._data is not None:   # after gRPC's goodbyes and failure reports went out
+            self._data.close(graceful=graceful)
         for channel in self._channels:
             channel.close()
         if self._server is not None:

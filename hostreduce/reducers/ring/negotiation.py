@@ -462,4 +462,8 @@ def decide_data_path(joins: list[Join]) -> Welcome:
     if transport == "auto":
         transport = "shm" if same_host else "tcp"
     ports = [j.data_port for j in joins] if transport == "tcp" else []
+    bad = [j.rank for j in joins if transport == "tcp" and not (type(j.data_port) is int and 0 < j.data_port < 65536)]
+    if bad:
+        return Welcome(0, error=f"The `tcp` data path needs every worker's data port. Received none usable from "
+                                f"ranks {bad} (ports {[joins[r].data_port for r in bad]})")
     return Welcome(0, transport=transport, token=secrets.token_hex(8), ports=ports)

@@ -327,10 +327,10 @@ class RingReducer(Reducer):
         self._control.stop()
         if self._lane is not None:
             self._lane.leave()  # peers waiting on this rank's lane word stop now
-        if paths.data is not None:   # its goodbyes follow its data frames, before gRPC's
-            paths.data.close(graceful=graceful)
         if paths.mesh is not None:
             paths.mesh.close(graceful=graceful)
+        if paths.data is not None:   # (the mesh closes them once they are in use)
+            paths.data.close(graceful=graceful)
         self._execution.join(5.0)
         if paths.local is not None:
             paths.local.close(unlink=paths.owns_fifos)

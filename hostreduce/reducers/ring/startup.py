@@ -104,8 +104,9 @@ class Startup:
         port = 0
         if cfg.transport in ("auto", "tcp"):   # the data path between hosts (tcp_links.py)
             paths.data = mesh.data_links(functools.partial(TcpLinks, rank, self._addresses, cfg.secret or "",
-                                                           bind_host=cfg.bind_host, timeout_s=cfg.timeout_s))
-            port = paths.data.listen()
+                                                           bind_host=cfg.bind_host, timeout_s=cfg.timeout_s,
+                                                           failed=self._failed))
+            port = self._telling_peers(mesh, paths.data.listen)
         hello = Join(rank, cfg.transport, cfg.chunk_bytes, cfg.fast_lane, cfg.single_copy, socket.gethostname(),
                      os.getpid(), start_time(os.getpid()), port)
         if rank == 0:
@@ -133,7 +134,7 @@ class Startup:
         paths.transport = welcome.transport
         if paths.data is not None:
             if paths.transport == "tcp":
-                paths.data.connect(welcome.ports, deadline)
+                self._telling_peers(mesh, lambda: paths.data.connect(welcome.ports, deadline))
                 mesh.use_data_links(paths.data)
             else:
                 paths.data.close()
@@ -151,6 +152,15 @@ class Startup:
                 paths.local.release_names()
         paths.link = RingLink(mesh, (rank + 1) % self._size, (rank - 1) % self._size, cfg.timeout_s)
         log.info("rank %d/%d: ring up, data path %s", rank, self._size, paths.transport)
+
+    @staticmethod
+    def _telling_peers(mesh: GrpcMesh, step: Callable[[], Any]) -> Any:
+        """``step()``; if it fails, every peer learns why before this rank stops."""
+        try:
+            return step()
+        except Exception as e:
+            mesh.broadcast_failure(f"{type(e).__name__}: {e}")
+            raise
 
     def _open_local_paths(self, token: str, create: bool) -> None:
         """Shared memory and named pipes of a one-host job (rank 0 creates them)."""

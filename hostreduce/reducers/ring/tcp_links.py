@@ -15,15 +15,18 @@ secret (``transport/auth.py``): the listener sends a fresh nonce; the connecting
 answers with its rank, a nonce of its own and its proof of the listener's; the listener
 checks the proof and answers with its proof of the connecting rank's nonce. Everything
 a connection sends before that is fixed-size and bounded; a handshake that does not
-finish within :data:`HANDSHAKE_S` is dropped; at most :data:`_MAX_HANDSHAKES`
-handshakes run at once (a connection beyond them is closed at once); every refusal is
-logged. A connection that proves a rank already connected is refused.
+finish within :data:`HANDSHAKE_S` of its start is dropped; at most
+:data:`_MAX_HANDSHAKES` handshakes run at once (a connection beyond them is closed at
+once, and a real peer that meets one tries again until its connect timeout); every
+refusal is logged. A connection that proves a rank already connected is refused.
 
 A frame is ``kind (1 byte) | tag (8 bytes) | length (8 bytes) | payload``. The reader
 of each incoming connection hands data frames to the mesh's per-source queue exactly as
 gRPC's stream does (``grpc_inbound.Inbound``), in order. A goodbye frame follows every
 data frame a closing rank sent; a connection that ends without one means the peer died,
-which is reported at once (unless the peer said goodbye over gRPC first).
+which is reported after a moment in which a failure report (or goodbye) over gRPC can
+arrive first and say why. A send makes progress or fails within ``timeout_s``; after a
+failed send the connection is broken for good (a frame may be cut).
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ _MAX_HANDSHAKES = 16
 # The largest data frame a member may send (the ring's chunks are ``chunk_bytes``; an
 # all-gather's or all-to-all's parts go whole).
 _MAX_FRAME = 1 << 34
-# Frames up to this size go in one send with their header.
-_SMALL = 64 << 10
+# How long a connection that ended without a goodbye waits for gRPC to say why.
+_REPORT_AFTER_S = 0.5
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -65,15 +68,35 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all by ``deadline`` (``time.monotonic()``), or an OSError."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("connection closed")
         got += k
     return bytes(buf)
+
+
+def _send_all(sock: socket.socket, parts: list[Any]) -> None:
+    """Every byte of ``parts`` in one ``sendmsg`` where the kernel takes them, with no
+    copy; the socket's timeout bounds each wait for room, not the whole send."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 class TcpLinks:
@@ -83,12 +106,15 @@ class TcpLinks:
 
     def __init__(self, rank: int, addresses: tuple[str, ...], secret: str, *, bind_host: str = "",
                  timeout_s: float, deliver: Callable[[int, bytearray], None], departed: Callable[[int], None],
-                 on_lost: Callable[[int, str], None], said_goodbye: Callable[[int], bool]) -> None:
+                 on_lost: Callable[[int, str], None], said_goodbye: Callable[[int], bool],
+                 failed: Callable[[], BaseException | None] = lambda: None) -> None:
         self.rank, self.size, self.addresses = rank, len(addresses), addresses
         self._secret = secret
         self._bind_host = bind_host
         self._timeout = timeout_s
         self._deliver, self._departed, self._on_lost, self._said_goodbye = deliver, departed, on_lost, said_goodbye
+        self._failed = failed    # the job's error, once it has failed (start-up waits stop on it)
+        self._broken: dict[int, BaseException] = {}   # peers whose outgoing connection failed
         self._cond = threading.Condition()
         self._listener: socket.socket | None = None
         self._incoming: dict[int, socket.socket] = {}
@@ -104,7 +130,7 @@ class TcpLinks:
         """Open the listening socket (once); return its port."""
         if self.port:
             return self.port
-        host = self._bind_host or _split(self.addresses[self.rank])[0]
+        host = (self._bind_host or _split(self.addresses[self.rank])[0]).strip("[]")
         try:
             family, kind, proto, _, where = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
                                                                flags=socket.AI_PASSIVE)[0]
@@ -130,41 +156,64 @@ class TcpLinks:
                 self._connect(peer, int(ports[peer]), deadline)
         with self._cond:
             while len(self._incoming) < self.size - 1:
+                self._raise_if_failed()
                 left = deadline - time.monotonic()
                 missing = sorted(set(range(self.size)) - set(self._incoming) - {self.rank})
                 if left <= 0:
                     raise self.refusals.timeout_error(
-                        "Rank {}: the data connections of {} did not arrive within connect_timeout_s".format(
-                            self.rank, ", ".join(f"rank {m} at {self.addresses[m]!r}" for m in missing)), missing)
+                        "Rank {}: the data connections of {} did not arrive in time (connect_timeout_s, "
+                        "HOSTREDUCE_CONNECT_TIMEOUT_S)".format(
+                            self.rank, ", ".join(f"rank {m} ({self.addresses[m]})" for m in missing)), missing)
                 self._cond.wait(min(left, 0.1))
         self._stop_listening()
+
+    def _raise_if_failed(self) -> None:
+        error = self._failed()
+        if error is not None:
+            raise error
 
     def _connect(self, peer: int, port: int, deadline: float) -> None:
         host = _split(self.addresses[peer])[0]
         where = f"{host}:{port}"
+        why = "no answer"
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            self._raise_if_failed()
+            if time.monotonic() >= deadline:
                 raise ClusterError(f"Rank {self.rank}: could not open the data connection to rank {peer} at "
-                                   f"{where!r} within connect_timeout_s (a firewall between the hosts may allow "
-                                   "only the gRPC port: HOSTREDUCE_TRANSPORT=grpc sends the data there)")
+                                   f"{where!r} in time (connect_timeout_s, HOSTREDUCE_CONNECT_TIMEOUT_S; last: {why}). "
+                                   "A firewall between the hosts may allow only the workers' own ports: "
+                                   "HOSTREDUCE_TRANSPORT=grpc sends the data there")
             try:
-                sock = socket.create_connection((host, port), timeout=min(left, HANDSHAKE_S))
-                break
-            except OSError:
+                sock = socket.create_connection((host, port), timeout=max(0.1, min(deadline - time.monotonic(),
+                                                                                   HANDSHAKE_S)))
+            except OSError as e:
+                why = str(e)
                 time.sleep(0.05)
-        try:
-            sock.settimeout(max(0.1, min(deadline - time.monotonic(), HANDSHAKE_S)))
-            server_nonce = _read_exact(sock, _NONCE).decode("ascii", "replace")
+                continue
+            shake = min(deadline, time.monotonic() + HANDSHAKE_S)
+            try:
+                server_nonce = _read_exact(sock, _NONCE, shake).decode("ascii", "replace")
+            except (OSError, ConnectionError) as e:
+                # Closed before its nonce: its handshakes are all taken (strangers); again.
+                sock.close()
+                why = f"closed before the handshake ({e})"
+                time.sleep(0.05)
+                continue
             mine = auth.new_nonce()
-            proof = auth.prove(self._secret, _ROLE_CLIENT, server_nonce, self.rank, peer)
-            sock.sendall(_RANK.pack(self.rank) + mine.encode() + proof.encode())
-            answer = _read_exact(sock, _PROOF).decode("ascii", "replace")
-        except (OSError, ConnectionError) as e:
-            sock.close()
-            raise AuthenticationError(
-                f"Rank {self.rank}: rank {peer} at {where!r} refused this rank's data connection ({e}): its "
-                "HOSTREDUCE_SECRET differs from ours, or it belongs to another job") from None
+            try:
+                sock.sendall(_RANK.pack(self.rank) + mine.encode()
+                             + auth.prove(self._secret, _ROLE_CLIENT, server_nonce, self.rank, peer).encode())
+                answer = _read_exact(sock, _PROOF, shake).decode("ascii", "replace")
+            except ConnectionError:
+                sock.close()
+                raise AuthenticationError(
+                    f"Rank {self.rank}: rank {peer} at {where!r} refused this rank's proof of membership: its "
+                    "HOSTREDUCE_SECRET differs from ours, or it belongs to another job") from None
+            except OSError as e:
+                sock.close()
+                raise ClusterError(f"Rank {self.rank}: rank {peer} at {where!r} did not finish the data "
+                                   f"connection's handshake ({e})") from None
+            break
         if not auth.verify(self._secret, _ROLE_SERVER, mine, peer, self.rank, answer):
             sock.close()
             raise AuthenticationError(f"Rank {self.rank}: the process at {where!r} failed to prove it is rank {peer} "
@@ -194,11 +243,12 @@ class TcpLinks:
 
     def _handshake(self, sock: socket.socket, who: str) -> None:
         claimed: int | None = None
+        deadline = time.monotonic() + HANDSHAKE_S
         try:
-            sock.settimeout(HANDSHAKE_S)
             nonce = auth.new_nonce()
+            sock.settimeout(HANDSHAKE_S)
             sock.sendall(nonce.encode())
-            hello = _read_exact(sock, _RANK.size + _NONCE + _PROOF)
+            hello = _read_exact(sock, _RANK.size + _NONCE + _PROOF, deadline)
             claimed = _RANK.unpack_from(hello)[0]
             theirs = hello[_RANK.size:_RANK.size + _NONCE].decode("ascii", "replace")
             proof = hello[_RANK.size + _NONCE:].decode("ascii", "replace")
@@ -208,11 +258,11 @@ class TcpLinks:
                 why = "bad proof of membership (HOSTREDUCE_SECRET differs, or another job)"
             else:
                 with self._cond:
-                    taken = claimed in self._incoming or self._closing
-                    if not taken:
+                    why = ("this rank is closing" if self._closing
+                           else f"rank {claimed} is already connected" if claimed in self._incoming else "")
+                    if not why:
                         self._incoming[claimed] = sock
-                why = f"rank {claimed} is already connected" if taken else ""
-                if not taken:
+                if not why:
                     sock.sendall(auth.prove(self._secret, _ROLE_SERVER, theirs, self.rank, claimed).encode())
                     sock.settimeout(None)   # the peer's liveness is watched over gRPC
                     with self._cond:
@@ -268,9 +318,9 @@ class TcpLinks:
                 if kind != DATA or length > _MAX_FRAME:
                     ended = f"sent a malformed data frame (kind {kind}, {length} bytes)"
                     break
-                frame = bytearray(9 + length)
+                frame = np.empty(9 + length, np.uint8)   # not zero-filled: every byte is written
                 frame[0] = DATA
-                frame[1:9] = int(tag).to_bytes(8, "little")
+                frame[1:9] = np.frombuffer(int(tag).to_bytes(8, "little"), np.uint8)
                 view, got = memoryview(frame), 9
                 while got < len(frame):
                     k = sock.recv_into(view[got:])
@@ -280,8 +330,18 @@ class TcpLinks:
                 self._deliver(src, frame)
         except (OSError, ConnectionError) as e:
             ended = f"dropped its data connection to this rank ({e})"
+        except Exception as e:  # noqa: BLE001 - no frame is lost silently: the peer is reported
+            ended = f"sent a data frame this rank could not take ({type(e).__name__}: {e})"
         finally:
             sock.close()
+        if self._closing:
+            return
+        # A failure report (or goodbye) over gRPC says more: give it a moment to arrive.
+        timer = threading.Timer(_REPORT_AFTER_S, self._report_end, args=(src, ended))
+        timer.daemon = True
+        timer.start()
+
+    def _report_end(self, src: int, ended: str) -> None:
         if self._closing:
             return
         if self._said_goodbye(src):
@@ -292,23 +352,23 @@ class TcpLinks:
     def send(self, dst: int, tag: int, payload: bytes | np.ndarray = b"") -> None:
         """A data frame to ``dst`` (thread-safe; frames to one peer keep their order)."""
         if isinstance(payload, np.ndarray):
-            body: Any = memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+            body: Any = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
         else:
-            body = memoryview(payload)
-        head = _FRAME.pack(DATA, tag, body.nbytes)
-        sock = self._outgoing.get(dst)
-        if sock is None:
-            raise PeerLostError(f"Rank {self.rank}: no data connection to rank {dst}: the job is closing")
-        try:
-            with self._send_locks[dst]:
-                if body.nbytes <= _SMALL:
-                    sock.sendall(head + bytes(body))
-                else:
-                    sock.sendall(head)
-                    sock.sendall(body)
-        except OSError as e:
-            raise PeerLostError(f"Rank {self.rank}: could not send to rank {dst} ({self.addresses[dst]}) within "
-                                f"timeout_s={self._timeout}: {e} (the peer is hung, gone or unreachable)") from None
+            body = payload
+        head = _FRAME.pack(DATA, tag, memoryview(body).nbytes)
+        with self._send_locks[dst]:
+            sock = self._outgoing.get(dst)
+            if sock is None or dst in self._broken:
+                raise self._broken.get(dst) or PeerLostError(
+                    f"Rank {self.rank}: no data connection to rank {dst}: this rank's reducer is closing")
+            try:
+                _send_all(sock, [head, body])
+            except OSError as e:
+                error = PeerLostError(
+                    f"Rank {self.rank}: sending to rank {dst} ({self.addresses[dst]}) made no progress for "
+                    f"timeout_s={self._timeout} s or failed: {e} (the peer is hung, gone or unreachable)")
+                self._broken[dst] = error   # the frame may be cut: nothing more goes on this connection
+                raise error from None
 
     def close(self, graceful: bool = True) -> None:
         """Say goodbye on every outgoing connection (after every frame sent) and close."""
@@ -318,15 +378,16 @@ class TcpLinks:
             self._closing = True
         self._stop_listening()
         for peer, sock in list(self._outgoing.items()):
-            try:
-                if graceful:
-                    with self._send_locks[peer]:
+            with self._send_locks[peer]:
+                try:
+                    if graceful and peer not in self._broken:
                         sock.settimeout(1.0)
                         sock.sendall(_FRAME.pack(BYE, 0, 0))
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+                del self._outgoing[peer]
         with self._cond:
             incoming = list(self._incoming.values())
         for sock in incoming:
