@@ -1,8 +1,8 @@
 """Reproducibility: the same 4-rank one-host job, launched twice, gives the same bits on
 every rank and in both runs, on each data path (single-copy shared memory, shared
-segments, gRPC). Bursts of asynchronous all-reduces are fused into buckets whose make-up
+segments, TCP). Bursts of asynchronous all-reduces are fused into buckets whose make-up
 depends on timing, and blocking ones may take the fast lane, so an engine whose
-operand order depends on where a tensor lands in its bucket fails here (the gRPC ring
+operand order depends on where a tensor lands in its bucket fails here (the ring between hosts
 lays buckets out segment by segment for this)."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from hostreduce.testing import run_ranks
 
 SIZE = 4
 PATHS = ("shm", "shm-copy", "tcp")
-# Around the gRPC chunk (64 KiB here), the shared-memory block (1 MiB) and the segment
-# edges of a fused bucket; the small ones are gathered by rank 0 over gRPC.
+# Around the ring's chunk (64 KiB here), the shared-memory block (1 MiB) and the segment
+# edges of a fused bucket; the small ones are gathered by rank 0 with their announcements.
 LENGTHS = (1, 3, 1000, 16_383, 16_385, 70_001, 262_145, 1_048_579)
 _DTYPES = {d.name: d for d in SUPPORTED_DTYPES}
 TENSORS = ([(f"f32/{n}", "float32", n) for n in LENGTHS]
@@ -68,7 +68,7 @@ def _rank_order_sum(dt: str, n: int, k: int) -> str:
 
 
 def _on_the_ring(dt: str, n: int) -> bool:
-    """A gRPC all-reduce of this tensor alone goes around the ring (not through rank 0)."""
+    """An all-reduce between hosts of this tensor alone goes around the ring (not through rank 0)."""
     itemsize = 4 if dt == "float32" else 2
     return n * itemsize * (SIZE - 1) > 256 * 1024
 
@@ -89,7 +89,7 @@ def test_two_runs_give_the_same_bits_on_every_rank_and_path():
     for name, dt, n in TENSORS:
         if _on_the_ring(dt, n):
             for burst in range(2):
-                assert first[f"grpc/async{burst}/{name}"] == first[f"grpc/blocking/{name}"], f"{name} fused"
+                assert first[f"tcp/async{burst}/{name}"] == first[f"tcp/blocking/{name}"], f"{name} fused"
     # On shared memory every element is reduced in rank order, whoever reduces it.
     for k, (name, dt, n) in enumerate(TENSORS):
         want = _rank_order_sum(dt, n, k)
