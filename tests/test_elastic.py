@@ -248,11 +248,11 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     cmd = _elastic_cmd(discover, str(EXAMPLE), "90", str(tmp_path / "ckpt"))
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
-        wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
         hosts.write_text("localhost:1\n")       # the slot goes with the worker
         os.kill(_pid_of(job, 0), signal.SIGKILL)
         (marks / "hold-b3").unlink()
-        wait_for_marks(str(marks), ["commit-w1-b8-s1"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w1-b8-s1"])
         hosts.write_text("localhost:3\n")
         _wait_output(launcher, "worker 2 waits to join")
         _wait_output(launcher, "worker 3 waits to join")
@@ -290,11 +290,11 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
     cmd = _elastic_cmd(discover, str(KERAS_EXAMPLE), "30", "3", str(tmp_path))
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
-        wait_for_marks(str(marks), ["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"], timeout=240)
+        _wait_marks(launcher, marks, ["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"])
         hosts.write_text("localhost:1\n")
         os.kill(_pid_of(job, 1), signal.SIGKILL)
         (marks / "hold-e0-b4").unlink()
-        wait_for_marks(str(marks), ["batch-w0-e1-b2-s1"], timeout=240)
+        _wait_marks(launcher, marks, ["batch-w0-e1-b2-s1"])
         hosts.write_text("localhost:3\n")
         _wait_output(launcher, "worker 2 waits to join")
         _wait_output(launcher, "worker 3 waits to join")
@@ -313,6 +313,14 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
 
 
 DETERMINISTIC = ROOT / "tests" / "elastic_workers" / "deterministic.py"
+
+
+def _wait_marks(launcher, marks, names: list[str], timeout: float = 240.0) -> None:
+    """``wait_for_marks``, with what the launcher printed if the events do not come."""
+    try:
+        wait_for_marks(str(marks), names, timeout=timeout)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; the launcher printed:\n{launcher.output[-8000:]}") from None
 
 
 def _wait_output(worker, text: str, timeout: float = 240.0) -> None:
@@ -339,16 +347,16 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         reference = job.start([sys.executable, str(DETERMINISTIC), "14", "--reference", str(tmp_path / "ref.npz")],
                               base_env())
-        wait_for_marks(str(marks), ["commit-w0-b4-s2", "commit-w1-b4-s2"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b4-s2", "commit-w1-b4-s2"])
         hosts.write_text("localhost:1\n")
         os.kill(_pid_of(job, 1), signal.SIGKILL)
         (marks / "hold-b4").unlink()
-        wait_for_marks(str(marks), ["commit-w0-b8-s1"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b8-s1"])
         hosts.write_text("localhost:3\n")
         _wait_output(launcher, "worker 2 waits to join")
         _wait_output(launcher, "worker 3 waits to join")
         (marks / "hold-b8").unlink()
-        wait_for_marks(str(marks), ["commit-w0-b11-s3", "commit-w2-b11-s3", "commit-w3-b11-s3"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b11-s3", "commit-w2-b11-s3", "commit-w3-b11-s3"])
         hosts.write_text("localhost:2\n")
         _wait_output(launcher, "worker 3: its slot left the discovery script's hosts")
         (marks / "hold-b11").unlink()
@@ -426,13 +434,13 @@ def test_workers_on_other_hosts_start_through_the_agent_fail_and_join(tmp_path):
         launcher = job.start(cmd, env)
         reference = job.start([sys.executable, str(DETERMINISTIC), "9", "--reference", str(tmp_path / "ref.npz")],
                               base_env())
-        wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
         lines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in job.leftovers() if Path(f"/proc/{p}").exists()]
         assert lines and not any(secret.encode() in line for line in lines)
         hosts.write_text(f"{a[0]}:1\n")
         os.kill(_pid_of(job, 1), signal.SIGKILL)
         (marks / "hold-b3").unlink()
-        wait_for_marks(str(marks), ["commit-w0-b6-s1"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b6-s1"])
         hosts.write_text(f"{a[0]}:1\n{a[2]}:1\n")
         _wait_output(launcher, "worker 2 waits to join")
         (marks / "hold-b6").unlink()
@@ -514,7 +522,7 @@ def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks), HOSTREDUCE_CONNECT_TIMEOUT_S="5"))
         reference = job.start([sys.executable, str(DETERMINISTIC), "10", "--reference", str(tmp_path / "ref.npz")],
                               base_env())
-        wait_for_marks(str(marks), ["commit-w0-b3-s2", "commit-w1-b3-s2"], timeout=240)
+        _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
         hosts.write_text("localhost:3\n")
         _wait_output(launcher, "worker 2 waits to join")
         (marks / "hold-b3").unlink()
