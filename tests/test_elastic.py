@@ -249,8 +249,9 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
-        hosts.write_text("localhost:1\n")       # the slot goes with the worker
-        os.kill(_pid_of(job, 0), signal.SIGKILL)
+        victim = _pid_of(job, 0)   # found first: the slot and the worker go together
+        hosts.write_text("localhost:1\n")
+        os.kill(victim, signal.SIGKILL)
         (marks / "hold-b3").unlink()
         _wait_marks(launcher, marks, ["commit-w1-b8-s1"])
         hosts.write_text("localhost:3\n")
@@ -291,8 +292,9 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
     with Job() as job:
         launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
         _wait_marks(launcher, marks, ["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"])
+        victim = _pid_of(job, 1)   # found first: the slot and the worker go together
         hosts.write_text("localhost:1\n")
-        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         (marks / "hold-e0-b4").unlink()
         _wait_marks(launcher, marks, ["batch-w0-e1-b2-s1"])
         hosts.write_text("localhost:3\n")
@@ -348,8 +350,9 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
         reference = job.start([sys.executable, str(DETERMINISTIC), "14", "--reference", str(tmp_path / "ref.npz")],
                               base_env())
         _wait_marks(launcher, marks, ["commit-w0-b4-s2", "commit-w1-b4-s2"])
+        victim = _pid_of(job, 1)   # found first: the slot and the worker go together
         hosts.write_text("localhost:1\n")
-        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         (marks / "hold-b4").unlink()
         _wait_marks(launcher, marks, ["commit-w0-b8-s1"])
         hosts.write_text("localhost:3\n")
@@ -437,8 +440,9 @@ def test_workers_on_other_hosts_start_through_the_agent_fail_and_join(tmp_path):
         _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
         lines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in job.leftovers() if Path(f"/proc/{p}").exists()]
         assert lines and not any(secret.encode() in line for line in lines)
+        victim = _pid_of(job, 1)
         hosts.write_text(f"{a[0]}:1\n")
-        os.kill(_pid_of(job, 1), signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         (marks / "hold-b3").unlink()
         _wait_marks(launcher, marks, ["commit-w0-b6-s1"])
         hosts.write_text(f"{a[0]}:1\n{a[2]}:1\n")
