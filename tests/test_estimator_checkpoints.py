@@ -235,6 +235,66 @@ def test_uncheckpointable_input_warns_once_and_resumes_variables(tmp_path: Path,
                                   est.get_variable_value("sequential/dense/kernel"))
 
 
+def _shuffled_batches() -> "tf.data.Dataset":
+    return tf.data.Dataset.range(200).shuffle(64, seed=7).map(lambda i: i * 3).batch(5).prefetch(2)
+
+
+def test_input_position_is_the_iterators_state_tensor_and_restores_exactly() -> None:
+    from hostreduce.estimator import input_state
+
+    iterator = iter(_shuffled_batches())
+    for _ in range(3):
+        next(iterator)
+    files = input_state.save_iterator(iterator)
+    assert list(files) == [".state"]  # one serialized TensorProto, the shuffle buffer inside
+    state = tf.io.parse_tensor(files[".state"], tf.variant)
+    assert state.dtype == tf.variant
+    expected = [next(iterator).numpy() for _ in range(6)]
+    restored = iter(_shuffled_batches())
+    input_state.restore_iterator(restored, input_state.unpack(input_state.pack(files)))
+    np.testing.assert_array_equal(np.stack([next(restored).numpy() for _ in range(6)]), np.stack(expected))
+
+
+def test_input_positions_saved_by_earlier_releases_still_restore() -> None:
+    """Earlier releases saved ``tf.train.Checkpoint(iterator=it)``'s files (``.index``,
+    ``.data-*``)."""
+    from hostreduce.estimator import input_state
+
+    iterator = iter(_shuffled_batches())
+    for _ in range(4):
+        next(iterator)
+    prefix = "ram://hostreduce-test-earlier-input/input"
+    tf.train.Checkpoint(iterator=iterator).write(prefix)
+    files = {}
+    for name in tf.io.gfile.listdir("ram://hostreduce-test-earlier-input"):
+        with tf.io.gfile.GFile(f"ram://hostreduce-test-earlier-input/{name}", "rb") as f:
+            files[name[len("input"):]] = f.read()
+    tf.io.gfile.rmtree("ram://hostreduce-test-earlier-input")
+    assert sorted(files) == [".data-00000-of-00001", ".index"]
+    expected = [next(iterator).numpy() for _ in range(5)]
+    restored = iter(_shuffled_batches())
+    input_state.restore_iterator(restored, files)
+    np.testing.assert_array_equal(np.stack([next(restored).numpy() for _ in range(5)]), np.stack(expected))
+
+
+def test_malformed_input_positions_are_refused_by_name() -> None:
+    from hostreduce.estimator import input_state
+
+    blob = input_state.pack({".state": b"abc", ".other": b""})
+    assert input_state.unpack(blob) == {".state": b"abc", ".other": b""}
+    for bad in (blob[:-1], blob + b"x", b"\xff" * 8, b""):
+        with pytest.raises(HostReduceError, match="Input state of"):
+            input_state.unpack(bad)
+    iterator = iter(_shuffled_batches())
+    with pytest.raises(HostReduceError, match="'.state' is not a serialized tensor"):
+        input_state.restore_iterator(iterator, {".state": b"garbage"})
+    with pytest.raises(HostReduceError, match="invalid file suffix"):
+        input_state.restore_iterator(iterator, {"/../x": b""})
+    generated = iter(tf.data.Dataset.from_generator(lambda: iter(range(3)), output_signature=tf.TensorSpec([], tf.int64)))
+    with pytest.raises(input_state.InputNotCheckpointable, match="PyFunc is stateful"):
+        input_state.save_iterator(generated)
+
+
 def test_npz_checkpoints_of_the_earlier_format_still_load(tmp_path: Path) -> None:
     est = _estimator(None)
     est.train(common.make_input_fn(), steps=2)

@@ -7,8 +7,10 @@ Layout of ``model_dir``::
         variables.index              the variables, a TensorFlow checkpoint (TensorBundle)
         variables.data-00000-of-00001
         checkpoint                   index of this directory alone ("variables")
-        input-rank0.index, ...       each worker's input position, a tf.train.Checkpoint
-        input-rank0.data-...           of its iterator (``tf.train.Checkpoint(iterator=it)``)
+        input-rank0.state, ...       each worker's input position: its tf.data iterator's
+                                       state tensor, a serialized TensorProto (earlier
+                                       releases: input-rank0.index and .data-*, a
+                                       ``tf.train.Checkpoint(iterator=it)``)
         meta.json                    step, world size, what was saved
 
 The variables file is name-based, like the checkpoints ``tf.compat.v1.train.Saver`` and

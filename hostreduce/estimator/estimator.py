@@ -108,7 +108,8 @@ class Estimator:
         return {**self._own_variables(), **(self._ckpt.ps.pull_tables() if self._ckpt.ps else {})}
 
     def _own_variables(self) -> dict[str, np.ndarray]:
-        return {k: v.numpy() for k, v in self._store.items() if k not in self._excluded_keys}
+        keys = [k for k, _ in self._store.items() if k not in self._excluded_keys]
+        return dict(zip(keys, self._store.values(keys)))
 
     @property
     def checkpoints(self) -> CheckpointManager | None:

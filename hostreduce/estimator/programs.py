@@ -95,6 +95,7 @@ class ProgramBase:
         self.has_labels = self.signature[1] is not None
         self.spec: EstimatorSpec | None = None
         self.feeder: Callable[..., None] | None = None  # with ps: fills the row caches a batch reads
+        self._concrete_step: tuple[Any, Any] | None = None  # (self.function, its concrete function)
         self._lookups: Callable[..., Any] | None = None
 
     def _call_model_fn(self, features: Any, labels: Any) -> EstimatorSpec:
@@ -123,7 +124,12 @@ class ProgramBase:
     def call(self, features: Any, labels: Any) -> Any:
         if self.feeder is not None:
             self.feeder(self, features, labels)
-        return self.function(features, labels) if self.has_labels else self.function(features)
+        # The one concrete function of the input signature, called directly: the
+        # tf.function's dispatch costs about as much again per step.
+        step = self._concrete_step
+        if step is None or step[0] is not self.function:
+            step = self._concrete_step = (self.function, self.function.get_concrete_function())
+        return step[1](features, labels) if self.has_labels else step[1](features)
 
     def lookups(self, caches: list[Any]) -> Callable[..., Any]:
         """A function of a batch (``features`` then ``labels``, flattened) to the global ids
@@ -215,6 +221,7 @@ class TrainProgram(ProgramBase):
         self.per_gradient = host_apply == "per_gradient"
         self.exchange: HostCallExchange | None = None
         self.host_function: Any = None
+        self._host_concrete: Any = None
         self._host_fn: Callable[..., Any] | None = None
         self._marker = _Marker()
         self.function = self._trace(self._step)
@@ -285,7 +292,9 @@ class TrainProgram(ProgramBase):
             return tf.constant(0)
 
         function = tf.function(host_step, input_signature=[] if self.per_gradient else specs, autograph=False)
-        self.store.adopt(function.get_concrete_function().variables)
+        concrete = function.get_concrete_function()
+        self.store.adopt(concrete.variables)
+        self._host_concrete = concrete  # called directly, without the tf.function's dispatch
         return function
 
     def run(self, features: Any, labels: Any, timeout: float | None = None) -> float:
@@ -305,7 +314,7 @@ class TrainProgram(ProgramBase):
             exchange.timeout, exchange.failure = timeout, None
             with timeline.scope("wait and apply (per gradient)", "apply"):
                 try:
-                    self.host_function()
+                    self._host_concrete()
                 except Exception:
                     if exchange.failure is not None:  # the hostreduce error, not TensorFlow's wrapper
                         raise exchange.failure from None
@@ -314,7 +323,7 @@ class TrainProgram(ProgramBase):
             with timeline.scope("wait for reductions", "reduce"):
                 buffers = exchange.wait(timeout)
             with timeline.scope("host apply", "apply"):
-                self.host_function(*buffers)
+                self._host_concrete(*buffers)
         return float(outputs["loss"])
 
 
