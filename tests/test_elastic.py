@@ -120,6 +120,33 @@ def test_a_retired_worker_leaves_at_the_next_epoch():
     assert m.join(2, 1, "h:2")["state"] == "wait" and m.retired(2)   # until the launcher stops it
 
 
+def test_a_retirement_is_taken_back_while_the_worker_is_still_a_member():
+    m = Membership(min_np=1)
+    for w in range(3):
+        m.started(w, "h")
+    for w in range(3):
+        m.join(w, 0, f"h:{w}")
+    m.retire(2)
+    m.ended(1)                           # a slot came free again before the next epoch
+    assert m.keep(2) and not m.retired(2)
+    assert m.join(0, 1, "h:0")["state"] == "wait"
+    place = _ready(m.join(2, 1, "h:2"))
+    assert place["size"] == 2 and place["addresses"] == ["h:0", "h:2"]
+    assert not m.keep(2)                 # not leaving any more
+    assert not m.keep(7)                 # never one of the job's workers
+
+
+def test_a_retirement_cannot_be_taken_back_once_an_epoch_formed_without_it():
+    m = Membership(min_np=1)
+    for w in range(2):
+        m.started(w, "h")
+    for w in range(2):
+        m.join(w, 0, f"h:{w}")
+    m.retire(1)
+    assert _ready(m.join(0, 1, "h:0"))["size"] == 1 and m.retired(1)
+    assert not m.keep(1) and m.retired(1)   # the launcher stops it
+
+
 def test_no_epoch_below_min_np():
     m = Membership(min_np=2)
     m.started(0, "h")
@@ -541,3 +568,33 @@ def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
     finals = sorted(marks.glob("final-w*.npz"))
     assert {"final-w0.npz", "final-w1.npz"} <= {p.name for p in finals}, finals
     _assert_one_process_weights(tmp_path / "ref.npz", finals)
+
+
+def test_a_slot_freed_by_a_death_goes_back_to_the_worker_that_was_leaving(tmp_path):
+    """The host's slots drop from 2 to 1, so worker 1 (the newest) is to leave at the next
+    commit; worker 0 is SIGKILLed before that commit: worker 1 keeps the freed slot and
+    goes on alone from its last commit, no worker is started, and the result is one
+    process's."""
+    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
+    (marks / "hold-b3").touch()
+    cmd = _elastic_cmd(discover, str(DETERMINISTIC), "6")
+    with Job() as job:
+        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
+        reference = job.start([sys.executable, str(DETERMINISTIC), "6", "--reference", str(tmp_path / "ref.npz")],
+                              base_env())
+        _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
+        victim = _pid_of(job, 0)
+        hosts.write_text("localhost:1\n")
+        _wait_output(launcher, "worker 1: its slot left the discovery script's hosts")
+        os.kill(victim, signal.SIGKILL)
+        _wait_output(launcher, "worker 1: a slot of")
+        (marks / "hold-b3").unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    out = launcher.output
+    assert launcher.returncode == 0, out[-4000:]
+    assert reference.returncode == 0
+    assert not leftovers
+    assert "worker 2" not in out, out[-3000:]
+    assert "commit-w1-b6-s1" in set(os.listdir(marks)), sorted(os.listdir(marks))
+    _assert_one_process_weights(tmp_path / "ref.npz", [marks / "final-w1.npz"])

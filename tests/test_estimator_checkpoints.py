@@ -290,7 +290,8 @@ def test_malformed_input_positions_are_refused_by_name() -> None:
         input_state.restore_iterator(iterator, {".state": b"garbage"})
     with pytest.raises(HostReduceError, match="invalid file suffix"):
         input_state.restore_iterator(iterator, {"/../x": b""})
-    generated = iter(tf.data.Dataset.from_generator(lambda: iter(range(3)), output_signature=tf.TensorSpec([], tf.int64)))
+    generated = iter(tf.data.Dataset.from_generator(lambda: iter(range(3)),
+                                                    output_signature=tf.TensorSpec([], tf.int64)))
     with pytest.raises(input_state.InputNotCheckpointable, match="PyFunc is stateful"):
         input_state.save_iterator(generated)
 

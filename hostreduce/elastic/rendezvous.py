@@ -85,6 +85,16 @@ class Membership:
                 self.updates += 1
                 self._form()
 
+    def keep(self, worker: int) -> bool:
+        """Take back ``worker``'s retirement while it is still a member of the current
+        epoch (a slot came free again, e.g. another worker of its host died); return
+        whether it stays. Once an epoch formed without it, it is too late: it leaves."""
+        with self._lock:
+            if worker not in self._retiring or worker not in self._running or worker not in self._assigned:
+                return False
+            self._retiring.discard(worker)
+            return True
+
     def retired(self, worker: int) -> bool:
         """Whether ``worker`` was retired and is out of the current epoch (it may stop)."""
         with self._lock:

@@ -383,6 +383,16 @@ def run_elastic(
                     staying = len([w for w in job.workers.values() if w.proc.poll() is None and not w.removed])
                     for where in sorted({host, *slots_of, *(w.host for w in job.workers.values())}):
                         wanted, current = slots_of.get(where, 0), job.running_on(where)
+                        # A slot free again (a worker of the host ended) first goes back to a
+                        # worker leaving it that is still a member: nothing is restarted.
+                        for w in sorted((w for w in job.workers.values() if w.host == where and w.removed
+                                         and not w.stopping and w.proc.poll() is None), key=lambda w: w.wid):
+                            if len(current) >= wanted or not job.membership.keep(w.wid):
+                                continue
+                            w.removed = False
+                            current.append(w)
+                            staying += 1
+                            message(f"worker {w.wid}: a slot of {where} is free again; it stays in the job")
                         if where not in blacklisted:
                             for _ in range(max(0, min(wanted - len(current), room))):
                                 try:

@@ -4,10 +4,10 @@ that ranks post and wait for.
 The control segment holds one 64-byte line per rank for each counter (barrier, the data
 path's progress, the fast lane's words), so ranks never write to the same cache line.
 A rank posts a counter with a plain store and then rings its "bell" word; a rank waiting
-for peers yields the CPU for up to 1 ms when the host has a core to spare beyond one per
-rank (waking a sleeping process costs more than that wait, in a virtual machine above
-all; see :func:`spin_window_s`), then sleeps in the
-kernel on the bell of the first late rank (``_futex.py``), or, without futexes, in
+for peers yields the CPU a few times, then for up to 1 ms more when the host has a core
+to spare beyond one per rank or when such polling has paid in this job's recent waits
+(waking a sleeping process costs more than that wait, in a virtual machine above all;
+see :class:`SpinPolicy`), then sleeps in the kernel on the bell of the first late rank (``_futex.py``), or, without futexes, in
 sleeps that double up to 1 ms. A wait gives up on the job's failure or after the
 timeout, naming the late ranks, or the peer that stopped answering if one has (the
 likely cause, whatever the wait was for).
@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import PeerLostError
 from . import _futex
 
-__all__ = ["Segment", "ControlBlock", "Waiter", "spin_window_s"]
+__all__ = ["Segment", "ControlBlock", "Waiter", "SpinPolicy", "spin_window_s"]
 
 _DIR = "/dev/shm"
 _ALIGN = 64
@@ -39,15 +39,74 @@ _FUTEX_SLICE_S = 0.05   # longest single sleep: failures and the timeout are che
 
 def spin_window_s(ranks: int) -> float:
     """How long a waiting thread of a job with ``ranks`` ranks on this host polls before
-    it sleeps: ``_SPIN_S`` when the host has more cores than ranks, else 0.
+    it sleeps, whatever the job: ``_SPIN_S`` when the host has more cores than ranks,
+    else 0 (the local control reader; the shared-memory waits then ask
+    :class:`SpinPolicy`).
 
-    Polling only pays on a core nobody else needs. With one rank per core, the rank's
-    own compute (TensorFlow's threads running the backward pass that the reduction
-    overlaps) or a peer needs every core: measured with Keras ``fit`` of a small model
-    at 2 ranks on 2 cores, polling took about 5 ms of CPU per step from the backward
-    pass and made steps 1.4-2x longer on a busy machine, for about 7 % shorter steps on
-    an idle one."""
+    Polling surely pays only on a core nobody else needs. With one rank per core, the
+    rank's own compute (TensorFlow's threads running the backward pass that the
+    reduction overlaps) or a peer may need every core: measured with Keras ``fit`` of a
+    small model at 2 ranks on 2 cores, polling took about 5 ms of CPU per step from the
+    backward pass and made steps 1.4-2x longer on a busy machine, for about 7 % shorter
+    steps on an idle one."""
     return _SPIN_S if ranks < len(os.sched_getaffinity(0)) else 0.0
+
+
+class SpinPolicy:
+    """Whether this rank's shared-memory waits poll (yield the CPU, up to ``_SPIN_S``)
+    before they sleep in the kernel.
+
+    With a core to spare beyond one per rank they always do (:func:`spin_window_s`).
+    Without one it depends on the job, so the waits measure it: polling pays where the
+    awaited peer usually arrives within the window (a step that is mostly host work, as
+    the Estimator's with the optimizer on the host: about 1.25x the steps of the MNIST
+    example on 2 cores), and it costs where the wait outlasts the window anyway, since
+    the poll takes CPU from the rank's own compute (Keras ``fit`` of a small model:
+    steps 1.4-2x longer on a busy machine). Waits poll in rounds of ``_ROUND`` waits that
+    got past their first yields; a round in which most of them still had to sleep turns
+    polling off for ``_ROUND`` waits, doubling up to ``_OFF_MAX`` while rounds keep
+    failing, then polls one round again to see if the job changed. Counts are per rank
+    and approximate under concurrent waits, which is all a heuristic needs."""
+
+    __slots__ = ("adaptive", "window_s", "_waits", "_slept", "_off", "_off_next")
+
+    _ROUND = 32
+    _OFF_MAX = 4096
+
+    def __init__(self, ranks: int) -> None:
+        always = spin_window_s(ranks) > 0
+        self.adaptive = not always
+        self.window_s = _SPIN_S     # polling now (0: off)
+        self._waits = self._slept = 0
+        self._off = 0               # waits left before polling is tried again
+        self._off_next = self._ROUND
+
+    def started(self) -> float:
+        """A wait got past its first yields; returns how long it may poll."""
+        if not self.adaptive:
+            return self.window_s
+        if self.window_s and self._waits >= self._ROUND:
+            self._judge()
+        if not self.window_s:
+            if self._off > 0:
+                self._off -= 1
+                return 0.0
+            self.window_s, self._waits, self._slept = _SPIN_S, 0, 0
+        self._waits += 1
+        return self.window_s
+
+    def slept(self) -> None:
+        """A wait that polled had to sleep all the same."""
+        if self.adaptive and self.window_s:
+            self._slept += 1
+
+    def _judge(self) -> None:
+        if 2 * self._slept > self._waits:    # polling mostly wasted: off for a while
+            self.window_s, self._off = 0.0, self._off_next
+            self._off_next = min(2 * self._off_next, self._OFF_MAX)
+        else:
+            self._off_next = self._ROUND
+        self._waits = self._slept = 0
 
 
 class Segment:
@@ -106,7 +165,7 @@ class ControlBlock:
         self._seg = Segment(self._name, self._bytes(), create=True) if rank == 0 else None
         self.words: dict[str, np.ndarray] = {}
         self.mapped = False
-        self.spin_s = spin_window_s(size)
+        self.spin = SpinPolicy(size)
         self._use_futex = _futex.available()
         self.bells: np.ndarray | None = None
         self.bell_addr: list[int] = []
@@ -164,12 +223,13 @@ class Waiter:
     """One wait for peers' counters (see the module docstring). ``on_timeout(late)``
     makes the error raised after the timeout, from the late ranks."""
 
-    __slots__ = ("block", "what", "start", "spins", "nap", "on_timeout")
+    __slots__ = ("block", "what", "start", "spins", "nap", "on_timeout", "window", "slept")
 
     def __init__(self, block: ControlBlock, what: str,
                  on_timeout: Callable[[list[int]], BaseException] | None = None) -> None:
         self.block, self.what, self.start, self.spins, self.nap = block, what, 0.0, 0, 10e-6
         self.on_timeout = on_timeout
+        self.window, self.slept = 0.0, False
 
     def idle(self, late: Callable[[], list[int]]) -> None:
         """Called while the condition waited for is false; ``late()`` lists the ranks
@@ -181,6 +241,7 @@ class Waiter:
             return
         if self.start == 0.0:
             self.start = time.monotonic()
+            self.window = b.spin.started()
         err = b.failed()
         if err is not None:
             raise err
@@ -195,9 +256,12 @@ class Waiter:
                 f"Rank {b.rank}: ranks {late()} did not reach {self.what} within "
                 f"{b.timeout} s (hung or dead)"
             )
-        if waited < b.spin_s:
+        if waited < self.window:
             os.sched_yield()
             return
+        if self.window and not self.slept:
+            self.slept = True
+            b.spin.slept()
         if b.bells is not None:
             rung = [int(v) for v in b.bells]   # read before the check: no lost wake-up
             lag = [j for j in late() if j != b.rank]  # nobody else rings this rank's bell

@@ -68,19 +68,26 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _fill(sock: socket.socket, view: memoryview, deadline: float | None = None, cut: str = "connection closed") -> None:
+    """Fill ``view`` from ``sock``, all by ``deadline`` (``time.monotonic()``; None: as the
+    socket's timeout allows), or raise an OSError (``cut``: what a close in between says)."""
+    got, n = 0, len(view)
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError(cut)
+        got += k
+
+
 def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     """``n`` bytes, all by ``deadline`` (``time.monotonic()``), or an OSError."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("timed out")
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionError("connection closed")
-        got += k
+    _fill(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
@@ -305,12 +312,7 @@ class TcpLinks:
         ended = ""
         try:
             while True:
-                view, got = memoryview(head), 0
-                while got < _FRAME.size:
-                    k = sock.recv_into(view[got:])
-                    if not k:
-                        raise ConnectionError("closed without saying goodbye")
-                    got += k
+                _fill(sock, memoryview(head), cut="closed without saying goodbye")
                 kind, tag, length = _FRAME.unpack(head)
                 if kind == BYE:
                     self._departed(src)
@@ -321,12 +323,7 @@ class TcpLinks:
                 frame = np.empty(9 + length, np.uint8)   # not zero-filled: every byte is written
                 frame[0] = DATA
                 frame[1:9] = np.frombuffer(int(tag).to_bytes(8, "little"), np.uint8)
-                view, got = memoryview(frame), 9
-                while got < len(frame):
-                    k = sock.recv_into(view[got:])
-                    if not k:
-                        raise ConnectionError("closed in the middle of a frame")
-                    got += k
+                _fill(sock, memoryview(frame)[9:], cut="closed in the middle of a frame")
                 self._deliver(src, frame)
         except (OSError, ConnectionError) as e:
             ended = f"dropped its data connection to this rank ({e})"
