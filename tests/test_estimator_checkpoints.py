@@ -235,6 +235,29 @@ def test_uncheckpointable_input_warns_once_and_resumes_variables(tmp_path: Path,
                                   est.get_variable_value("sequential/dense/kernel"))
 
 
+def test_the_stores_batched_read_follows_updates_and_new_variables() -> None:
+    """What every save reads: ``VariableStore.values`` (one by one the first time, then
+    one traced call per set of variables)."""
+    from hostreduce.host.variables import VariableStore
+
+    store = VariableStore()
+    with store.scope():
+        first = [tf.Variable(np.full([3], i, np.float32), name=f"v{i}") for i in range(3)]
+    keys = [k for k, _ in store.items()]
+    for value in (1.0, 2.0, 3.0):   # the first read, the one that traces, the traced one
+        first[1].assign(np.full([3], value, np.float32))
+        got = store.values(keys)
+        np.testing.assert_array_equal(got[1], np.full([3], value, np.float32))
+        np.testing.assert_array_equal(got[2], np.full([3], 2.0, np.float32))
+    with store.scope():
+        tf.Variable(np.ones([2, 2], np.float64), name="late")
+    keys = [k for k, _ in store.items()]
+    for _ in range(3):
+        got = store.values(keys)
+        assert [g.dtype for g in got] == [np.float32] * 3 + [np.float64] and got[3].shape == (2, 2)
+    assert store.values([]) == []
+
+
 def _shuffled_batches() -> "tf.data.Dataset":
     return tf.data.Dataset.range(200).shuffle(64, seed=7).map(lambda i: i * 3).batch(5).prefetch(2)
 

@@ -101,8 +101,13 @@ class VariableStore:
         variables = [self._vars[k] for k in keys]
         if not variables:
             return []
-        ids = tuple(id(v) for v in variables)  # (the function holds them: no id is reused meanwhile)
+        ids = tuple(id(v) for v in variables)  # (the cache holds them: no id is reused meanwhile)
         if self._reader is None or self._reader[0] != ids:
+            # The first read of a set goes one by one: tracing the function costs more
+            # than one read (tens of ms), which only a second read of the same set repays.
+            self._reader = (ids, variables)
+            return [v.numpy() for v in variables]
+        if isinstance(self._reader[1], list):
             self._reader = (ids, tf.function(lambda: [v.read_value() for v in variables], autograph=False))
         return [t.numpy() for t in self._reader[1]()]
 
