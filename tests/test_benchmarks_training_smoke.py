@@ -56,7 +56,8 @@ def test_overlap_quick_writes_every_field(tmp_path: Path) -> None:
             row["apply-once"]["step_ms"] / row["streamed"]["step_ms"], rel=1e-3)
         assert row["reduction_ms"] > 0 and row["compute_ms"] > 0
         t_seq, t_str = row["sequential"]["step_ms"], row["streamed"]["step_ms"]
-        assert row["hidden_fraction"] == pytest.approx((t_seq - t_str) / row["reduction_ms"], abs=2e-3)
+        assert row["hidden_fraction"] == pytest.approx(   # (times rounded to the microsecond)
+            (t_seq - t_str) / row["reduction_ms"], abs=1.5e-3 / row["reduction_ms"] + 2e-3)
         assert row["streamed_over_bound"] == pytest.approx(
             t_str / max(row["compute_ms"], row["reduction_ms"]), rel=1e-2)
         assert row["loadavg_before"] and row["loadavg_after"]
