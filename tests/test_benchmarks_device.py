@@ -168,11 +168,11 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads((out / "overlap.engine.json").read_text())
     rows = {(r["system"], r["schedule"]): r for r in result["measurements"]}
-    assert set(rows) == {("ring", "sequential"), ("ring", "streamed"), ("ring-grpc", "streamed"), ("mpi", "streamed"),
-                         ("openmpi", "fused-cycle")}
+    assert set(rows) == {("ring", "sequential"), ("ring", "streamed"), ("ring", "overlapped"),
+                         ("ring-grpc", "overlapped"), ("mpi", "overlapped"), ("openmpi", "fused-cycle")}
     if network != "loopback":   # the ring's path between hosts, and gRPC's for comparison
-        assert rows[("ring", "streamed")]["transport"] == "tcp"
-        assert rows[("ring-grpc", "streamed")]["transport"] == "grpc"
+        assert rows[("ring", "overlapped")]["transport"] == "tcp"
+        assert rows[("ring-grpc", "overlapped")]["transport"] == "grpc"
     for row in rows.values():
         assert row["case"] == "tiny" and row["network"] == network and row["np"] == 2
         # (from the rows' times, each rounded to the microsecond: 1.5 us over the reduction's time)
@@ -184,15 +184,20 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
         assert row["hideable"] == pytest.approx(min(1.0, 60.0 / row["reduction_ms"]), rel=1e-3, abs=1e-3)
         assert row["gradient_tensors"] == 5 and row["bound"]
     assert "Open MPI" in rows[("openmpi", "fused-cycle")]["engine"]
-    assert rows[("ring", "streamed")]["engine"] != rows[("mpi", "streamed")]["engine"]
-    trace = rows[("ring", "streamed")]["trace"]["0"]
-    # Each gradient is handed off when its layer's backward pass ends (last layer first),
-    # its reduction ends after that, and its update after its wait returned.
-    assert trace["ready_ms"][4] < trace["ready_ms"][2] < trace["ready_ms"][0]
-    assert all(r <= c <= w <= a for r, c, w, a in zip(trace["ready_ms"], trace["completed_ms"], trace["reduced_ms"],
-                                                      trace["applied_ms"]))
+    assert rows[("ring", "overlapped")]["engine"] != rows[("mpi", "overlapped")]["engine"]
+    for schedule in ("streamed", "overlapped"):
+        trace = rows[("ring", schedule)]["trace"]["0"]
+        # Each gradient is handed off when its layer's backward pass ends (last layer first),
+        # its reduction ends after that, and its update after its wait returned.
+        assert trace["ready_ms"][4] < trace["ready_ms"][2] < trace["ready_ms"][0]
+        assert all(r <= c <= w <= a for r, c, w, a in zip(trace["ready_ms"], trace["completed_ms"],
+                                                          trace["reduced_ms"], trace["applied_ms"]))
+    # Applied after the backward pass: no wait returns before the pass is over.
+    after = rows[("ring", "streamed")]["trace"]["0"]
+    assert min(after["reduced_ms"]) >= after["backward_end_ms"]
     assert (out / "overlap.engine.png").stat().st_size > 0
     assert (out / f"overlap.engine.timeline.tiny-{network}-np2.png").stat().st_size > 0
+    assert (out / f"overlap.engine.timeline.tiny-{network}-np2-streamed.png").stat().st_size > 0
     # Two parts, each with some of the rows, make one result with all of them.
     parts = []
     for i, systems in enumerate((("ring", "ring-grpc"), ("mpi", "openmpi"))):
