@@ -24,13 +24,16 @@ and grpcio) and separates what the host's cores allow from what the engines do:
   tensor's parameters with Adam at once, while later reductions are on the wire. The
   update is numpy (TensorFlow's fused CPU kernel in the real step), split in chunks
   over ``cores / N`` threads per worker.
+* **an experiment** (``overlapped``, the ring only; no Estimator mode does this): a host
+  thread waits for each reduction as soon as its gradient is handed off and applies it
+  beside the rest of the backward pass, instead of after it.
 
 Systems, each in the same cells of the simulated cluster (``netcluster.py``: one
 network namespace per worker, links shaped with ``tc``):
 
 | system | reduction | update |
 |---|---|---|
-| ``ring`` | hostreduce's ring, its default data path between hosts (``tcp``), ``sequential`` and ``streamed`` | host, per gradient |
+| ``ring`` | hostreduce's ring, its default data path between hosts (``tcp``), ``sequential``, ``streamed`` and ``overlapped`` | host, per gradient |
 | ``ring-grpc`` | the same ring with its data over the gRPC port (``transport="grpc"``), ``streamed`` | host, per gradient |
 | ``mpi`` | hostreduce's MPI engine (mpi4py, under ``mpirun``), ``streamed`` | host, per gradient |
 | ``openmpi`` | Open MPI through mpi4py with Horovod's schedule: a background thread takes the ready gradients every 1 ms cycle, fuses up to 64 MiB into one buffer and all-reduces it | on the device (the profile's update time), as Horovod's |
@@ -41,7 +44,8 @@ reduction), reduction alone (every gradient at once), apply alone, hidden fracti
 Horovod itself (and TensorFlow's hand-off ops) need TensorFlow: those rows are
 ``overlap.py --compute device``'s. Results: ``<out>/overlap.engine.json`` and ``.png``,
 and one streamed step of the ring per rank on a time axis
-(``overlap.engine.timeline.<profile>-<network>-np<N>.png``).
+(``overlap.engine.timeline.<profile>-<network>-np<N>.png``; ``-overlapped.png``: the
+experiment's).
 """
 from __future__ import annotations
 
@@ -65,14 +69,14 @@ from benchmarks.impls.device import compute_ms, layer_times_ms, load_profile, up
 
 SYSTEMS: dict[str, tuple[peers.Peer, str, list[str]]] = {
     "ring": (peers.HOSTREDUCE_RING, "hostreduce ring (TCP)", ["sequential", "streamed", "overlapped"]),
-    "ring-grpc": (peers.HOSTREDUCE_RING_GRPC, "hostreduce ring (gRPC data path)", ["overlapped"]),
-    "mpi": (peers.HOSTREDUCE_MPI, "hostreduce MPI engine", ["overlapped"]),
+    "ring-grpc": (peers.HOSTREDUCE_RING_GRPC, "hostreduce ring (gRPC data path)", ["streamed"]),
+    "mpi": (peers.HOSTREDUCE_MPI, "hostreduce MPI engine", ["streamed"]),
     "openmpi": (peers.OPEN_MPI, "Open MPI, Horovod's schedule", ["fused-cycle"]),
 }
 SCHEDULE_LABELS = {"sequential": "sequential", "streamed": "streamed, apply after the backward pass",
-                   "overlapped": "streamed, apply during the backward pass",
+                   "overlapped": "experiment: apply beside the backward pass",
                    "fused-cycle": "1 ms cycles, 64 MiB fusion, update on device"}
-DEFAULT = "overlapped"  # the Estimator's default schedule (RunConfig(host_apply="per_gradient"))
+DEFAULT = "streamed"  # the Estimator's default schedule (RunConfig(host_apply="per_gradient"))
 TARGET_HIDDEN = 0.9   # 1 Gbit/s, wherever compute >= reduction
 TARGET_STEP = 1.05    # 10 Gbit/s: step / compute alone
 CYCLE_S = 0.001       # Horovod's default cycle time
@@ -218,6 +222,10 @@ class HostReduceSystem:
             if trace:
                 slots[i].handle.add_done_callback(lambda _h, i=i: completed.__setitem__(i, time.perf_counter()))
 
+        reduced = [0.0] * len(slots)
+        pending: list[tuple[int, list[Any]]] = []
+        handed = [threading.Event() for _ in slots] if schedule == "overlapped" else None
+
         def on_ready(i: int) -> None:
             ready[i] = time.perf_counter()
             if defer:
@@ -225,9 +233,8 @@ class HostReduceSystem:
             else:
                 slots[i].hand_off(grads[i])
                 watch(i)
-
-        reduced = [0.0] * len(slots)
-        pending: list[tuple[int, list[Any]]] = []
+                if handed is not None:
+                    handed[i].set()
 
         def wait_and_apply(wait: Callable[[int], Any]) -> None:
             self.adam.begin_step()
@@ -236,11 +243,14 @@ class HostReduceSystem:
                 reduced[i] = time.perf_counter()
                 pending.append((i, self.adam.apply(i, buf)))
 
-        host = None
-        if schedule == "overlapped":  # the Estimator's default: the host waits beside the device program
-            exchange.begin_step()
-            host = self.host_thread.submit(
-                lambda: exchange.wait_first() and wait_and_apply(lambda i: exchange.wait_slot(slots[i], 120.0)))
+        def wait_beside(i: int) -> Any:
+            assert handed is not None
+            if not handed[i].wait(120.0):
+                raise TimeoutError(f"gradient {i} was not handed off within 120 s")
+            return slots[i].wait(120.0)
+
+        # The experiment: a host thread waits and applies beside the device's backward pass.
+        host = self.host_thread.submit(wait_and_apply, wait_beside) if handed is not None else None
         t0 = self.device.run(on_ready)
         backward_end = time.perf_counter()
         exchange.start_deferred()
@@ -549,7 +559,7 @@ def _targets(rows: list[dict]) -> list[dict]:
     checks = []
     for prof, net, n in sorted({(r["case"], r["network"], r["np"]) for r in rows}):
         cell = {(r["system"], r["schedule"]): r for r in rows if (r["case"], r["network"], r["np"]) == (prof, net, n)}
-        ring, peer = cell.get(("ring", DEFAULT)) or cell.get(("ring", "streamed")), cell.get(("openmpi", "fused-cycle"))
+        ring, peer = cell.get(("ring", DEFAULT)), cell.get(("openmpi", "fused-cycle"))
         if ring is None:
             continue
         where = f"{prof} {net} N={n}"
@@ -639,7 +649,7 @@ def _plot_timeline(path: Path, row: dict) -> None:
         ax.axvline(row["compute_ms"], color="black", ls="--", lw=1)
         ax.axvline(tr["backward_end_ms"], color="grey", ls=":", lw=1)
         ax.set_ylabel(f"rank {rank}\ngradients")
-    when = "beside the backward pass" if row["schedule"] == DEFAULT else "after the backward pass"
+    when = "beside the backward pass" if row["schedule"] == "overlapped" else "after the backward pass"
     axes[-1, 0].set_xlabel("ms from the step's start. Blue: gradient ready -> its wait returned (the host waits "
                            f"{when},\nin submission order); orange: -> updated; black ticks (where "
                            "recorded): the reduction's end; dashed: compute alone; dotted: backward end", fontsize=8)
@@ -660,7 +670,7 @@ def _close(rep: report.Report, rows: list[dict], no_plot: bool, measured_here: b
     def plot(path: Path) -> None:
         _plot(path, rows, rep.result["environment"].get("cpu_count") or report.cores())
         for r in rows:
-            if r["system"] == "ring" and r["schedule"] in ("streamed", DEFAULT) and r["trace"]:
+            if r["system"] == "ring" and r["schedule"] in (DEFAULT, "overlapped") and r["trace"]:
                 suffix = "" if r["schedule"] == DEFAULT else f"-{r['schedule']}"
                 _plot_timeline(rep.out_dir / f"overlap.engine.timeline.{_slug(r)}-{r['network']}-np{r['np']}{suffix}.png", r)
 
@@ -674,15 +684,17 @@ def _close(rep: report.Report, rows: list[dict], no_plot: bool, measured_here: b
 def _merge(paths: list[str], out: str, no_plot: bool) -> int:
     """One result of several runs' JSON files (a machine lent for a limited time runs
     the cells in parts): their rows, a later file's row replacing an earlier one of the
-    same case, network, N, system and schedule; each part's command, date and loads are
-    kept under ``environment.parts``."""
+    same case, network, N, system and schedule (each row names its part); each part's
+    command, date and loads are kept under ``environment.parts``."""
     parts = [json.loads(Path(pth).read_text()) for pth in paths]
     rows: dict[tuple, dict] = {}
     runs: dict = {}
-    for part in parts:
+    for pth, part in zip(paths, parts):
         batches = {name: info["batch"] for name, info in part["settings"]["profiles"].items()}
         for row in part["measurements"]:
             row = _finish_row(dict(row), row.get("batch") or batches[row["profile"]])
+            row["label"] = f"{SYSTEMS[row['system']][1]}: {SCHEDULE_LABELS[row['schedule']]}"
+            row["part"] = str(pth)  # which run measured it (environment.parts)
             rows[(row["case"], row["network"], row["np"], row["system"], row["schedule"])] = row
         for prof, by_net in part["runs"].items():
             stem = load_profile(prof)["stem"]

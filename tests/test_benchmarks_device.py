@@ -169,10 +169,10 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
     result = json.loads((out / "overlap.engine.json").read_text())
     rows = {(r["system"], r["schedule"]): r for r in result["measurements"]}
     assert set(rows) == {("ring", "sequential"), ("ring", "streamed"), ("ring", "overlapped"),
-                         ("ring-grpc", "overlapped"), ("mpi", "overlapped"), ("openmpi", "fused-cycle")}
+                         ("ring-grpc", "streamed"), ("mpi", "streamed"), ("openmpi", "fused-cycle")}
     if network != "loopback":   # the ring's path between hosts, and gRPC's for comparison
-        assert rows[("ring", "overlapped")]["transport"] == "tcp"
-        assert rows[("ring-grpc", "overlapped")]["transport"] == "grpc"
+        assert rows[("ring", "streamed")]["transport"] == "tcp"
+        assert rows[("ring-grpc", "streamed")]["transport"] == "grpc"
     for row in rows.values():
         assert row["case"] == "tiny" and row["network"] == network and row["np"] == 2
         # (from the rows' times, each rounded to the microsecond: 1.5 us over the reduction's time)
@@ -184,7 +184,7 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
         assert row["hideable"] == pytest.approx(min(1.0, 60.0 / row["reduction_ms"]), rel=1e-3, abs=1e-3)
         assert row["gradient_tensors"] == 5 and row["bound"]
     assert "Open MPI" in rows[("openmpi", "fused-cycle")]["engine"]
-    assert rows[("ring", "overlapped")]["engine"] != rows[("mpi", "overlapped")]["engine"]
+    assert rows[("ring", "streamed")]["engine"] != rows[("mpi", "streamed")]["engine"]
     for schedule in ("streamed", "overlapped"):
         trace = rows[("ring", schedule)]["trace"]["0"]
         # Each gradient is handed off when its layer's backward pass ends (last layer first),
@@ -197,7 +197,7 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
     assert min(after["reduced_ms"]) >= after["backward_end_ms"]
     assert (out / "overlap.engine.png").stat().st_size > 0
     assert (out / f"overlap.engine.timeline.tiny-{network}-np2.png").stat().st_size > 0
-    assert (out / f"overlap.engine.timeline.tiny-{network}-np2-streamed.png").stat().st_size > 0
+    assert (out / f"overlap.engine.timeline.tiny-{network}-np2-overlapped.png").stat().st_size > 0
     # Two parts, each with some of the rows, make one result with all of them.
     parts = []
     for i, systems in enumerate((("ring", "ring-grpc"), ("mpi", "openmpi"))):
@@ -211,5 +211,7 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     merged = json.loads((merged_dir / "overlap.engine.json").read_text())
     assert {(r["system"], r["schedule"]) for r in merged["measurements"]} == set(rows)
+    assert {(r["system"], r["part"]) for r in merged["measurements"]} == {
+        (sys_, str(parts[0] if sys_ in ("ring", "ring-grpc") else parts[1])) for sys_, _ in rows}
     assert [p["file"] for p in merged["environment"]["parts"]] == [str(p) for p in parts]
     assert "wall_s" not in merged["environment"]

@@ -45,12 +45,11 @@ also keeps independent collectives from blocking each other's threads.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, HostReduceError
+from ..errors import ConfigError
 from ..reducers.base import SUPPORTED_DTYPES
 from ..timeline import Timeline
 from .autograph import not_converted, plain
@@ -284,12 +283,6 @@ class HostCallExchange:
         self.defer = defer
         self.timeout: float | None = None
         self.failure: BaseException | None = None
-        # Waits that may start before their tensors are handed off (begin_step).
-        self._handed = threading.Condition()
-        self._handed_now: set[int] = set()  # indices of the slots handed off this step
-        self._stopped: BaseException | None = None
-        for slot in self.slots:
-            slot.listener = self._on_handed
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -328,47 +321,6 @@ class HostCallExchange:
         """Block until every reduction of this step is done; return the buffers."""
         self.start_deferred()
         return [slot.wait(timeout) for slot in self.slots]
-
-    # -- waits that run beside the device program ------------------------------
-    def begin_step(self) -> None:
-        """Before a step whose host waits may start while the device program still
-        runs (:meth:`wait_first`, :meth:`wait_slot`): forget the last step's state."""
-        for slot in self.slots:
-            slot.settle()
-        with self._handed:
-            self._handed_now, self._stopped = set(), None
-
-    def stop_waits(self, cause: BaseException) -> None:
-        """The device program ended without handing every tensor off (it failed):
-        waits for a tensor not handed off raise instead of blocking."""
-        with self._handed:
-            self._stopped = cause
-            self._handed.notify_all()
-
-    def wait_first(self) -> bool:
-        """Block until this step hands off its first tensor; False if it was stopped."""
-        with self._handed:
-            while not self._handed_now and self._stopped is None:
-                self._handed.wait()
-            return bool(self._handed_now)
-
-    def wait_slot(self, slot: Slot, timeout: float | None = None) -> np.ndarray:
-        """:meth:`Slot.wait`, but first until ``slot`` and the rest of its fusion bucket
-        are handed off (no time limit: the device program's own time; it ends by
-        :meth:`stop_waits` if that program fails). ``timeout`` counts from then."""
-        members = slot.fusion.bucket_of(slot).slots if slot.fusion is not None else [slot]
-        with self._handed:
-            while self._stopped is None and any(m.index not in self._handed_now for m in members):
-                self._handed.wait()
-            if slot.index not in self._handed_now:
-                raise HostReduceError(f"Tensor {slot.label!r} was not handed to the host: the device program "
-                                      f"stopped first ({self._stopped})")
-        return slot.wait(timeout)
-
-    def _on_handed(self, slot: Slot) -> None:
-        with self._handed:
-            self._handed_now.add(slot.index)
-            self._handed.notify_all()
 
     def wait_ops(self) -> list[Any]:
         """Add a wait op per tensor to the graph being traced; return their results.

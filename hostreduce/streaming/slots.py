@@ -136,9 +136,6 @@ class Slot:
         self.handle: Any = None
         self.staged = False
         self.submit_time_us = 0.0
-        # Called with the slot once its collective has a handle (HostCallExchange's
-        # waits that may start before the tensor is handed off).
-        self.listener: Callable[[Slot], None] | None = None
 
     @property
     def name(self) -> str:
@@ -214,8 +211,6 @@ class Slot:
             handle.add_done_callback(
                 lambda _h, s=submitted, r=row, n=f"{collective.kind} {label}":
                 timeline.span(n, s, now_us(), "reduce", r, {"index": index}))
-        if self.listener is not None:
-            self.listener(self)
 
     def _start_in_bucket(self, handoff_start: float | None) -> None:
         """Hand the tensor to its bucket; its handle completes when the bucket does."""
@@ -227,8 +222,6 @@ class Slot:
             timeline.span(f"hand-off {self.label}", handoff_start, self.submit_time_us, "handoff", HANDOFF_ROW,
                           {"bytes": int(self.buffer.nbytes), "index": self.index})
         self.fusion.started(self, handle)
-        if self.listener is not None:
-            self.listener(self)
 
     # -- host -> device -----------------------------------------------------------
     def wait(self, timeout: float | None = None) -> np.ndarray:
@@ -245,11 +238,6 @@ class Slot:
                 np.copyto(self.buffer, result)
             return self.buffer
         return result
-
-    def settle(self) -> None:
-        """Let a collective whose result was never collected finish (or fail) and drop
-        it, so that the next wait is for this step's."""
-        self._settle_previous()
 
     def _settle_previous(self) -> None:
         # A collective whose result was never collected (its wait was pruned from the
