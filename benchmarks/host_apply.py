@@ -46,7 +46,9 @@ PASSES = {"sgd": 3, "momentum": 5, "adam": 7}  # arrays of parameter size read o
 IMPLS = {
     "hostreduce": "hostreduce.host.apply.apply_gradients (fused TF kernels)",
     "keras": "Keras 3 optimizer.apply_gradients in tf.function",
+    "numpy": "overlap_engine.py's model of the update: numpy Adam in chunks over TF's intra-op thread count",
 }
+DEFAULT_IMPLS = ("hostreduce", "keras")
 LAYOUTS = ("resnet50", "single")
 TARGETS = {"adam_resnet50_max_ratio_to_floor": 1.3, "adam_resnet50_min_speedup_vs_keras": 2.5}
 
@@ -138,6 +140,27 @@ class _Case:
         return [v.numpy() for v in self.variables]
 
 
+class _EngineAdam:
+    """``overlap_engine.py``'s host update (numpy, chunked over a thread pool), from zero
+    moments; no TensorFlow. Its weights start at zero: it is timed, not compared."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], threads: int) -> None:
+        import numpy as np
+
+        from benchmarks.overlap_engine import HostAdam
+
+        self.adam = HostAdam(shapes, threads)
+        rng = np.random.default_rng(0)
+        self.grads = [rng.standard_normal(s, dtype=np.float32) * 1e-3 for s in shapes]
+        self.fused, self.trace_s = None, 0.0
+
+    def __call__(self) -> None:
+        self.adam.begin_step()
+        for futures in [self.adam.apply(i, g) for i, g in enumerate(self.grads)]:
+            for f in futures:
+                f.result()
+
+
 def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[str], reps: int, rounds: int,
              warmup: int, passes: int, seed: int, threads: int) -> list[dict]:
     import numpy as np
@@ -147,14 +170,15 @@ def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[s
     init = [(rng.standard_normal(s, dtype=np.float32) * 0.05) for s in shapes]
     with tf.device("/CPU:0"):
         grads = [tf.constant(rng.standard_normal(s, dtype=np.float32) * 1e-3) for s in shapes]
-    cases = {i: _Case(i, opt, shapes, init, grads) for i in impls}
+    cases: dict[str, Any] = {i: _Case(i, opt, shapes, init, grads) if i != "numpy" else _EngineAdam(shapes, threads)
+                             for i in impls}
     del init
     # One step from identical states: the two must agree (to float32 rounding).
     for case in cases.values():
         case()
     agree = None
-    if len(cases) == 2:
-        a, b = (c.weights() for c in cases.values())
+    if "hostreduce" in cases and "keras" in cases:
+        a, b = (cases[i].weights() for i in ("hostreduce", "keras"))
         agree = max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
         del a, b
     for case in cases.values():
@@ -222,6 +246,9 @@ def _measure(opt: str, layout: str, shapes: list[tuple[int, ...]], impls: list[s
         for r in rows:
             r["speedup_vs_keras"] = paired(times["keras"], times[r["impl"]])
             r["speedup_vs_keras_ratio_of_medians"] = round(by["keras"]["time_ms"] / r["time_ms"], 3)
+    if "hostreduce" in by:  # e.g. the numpy model's time over TensorFlow's fused kernel's
+        for r in rows:
+            r["time_over_hostreduce"] = paired(times[r["impl"]], times["hostreduce"])
     del cases, grads
     gc.collect()
     return rows
@@ -242,11 +269,16 @@ def _targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _present(rows: list[dict]) -> list[str]:
+    return [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+
+
 def _print_table(rows: list[dict]) -> None:
     threads = rows[0]["floor_parallel_threads"]
+    impls = _present(rows)
     print(f"\nfloor: one-thread np.copyto bandwidth x passes; pfloor: the same copy over {threads} threads")
     print(f"{'optimizer':>9} {'layout':>9} {'tensors':>7} | {'floor ms':>8} {'pfloor':>7} | "
-          + " | ".join(f"{i + ' ms':>14} {'/floor':>6} {'/pfloor':>7}" for i in IMPLS) + f" | {'speed-up':>8}")
+          + " | ".join(f"{i + ' ms':>14} {'/floor':>6} {'/pfloor':>7}" for i in impls) + f" | {'speed-up':>8}")
     print("-" * 118)
     keys = sorted({(r["optimizer"], r["layout"]) for r in rows},
                   key=lambda k: (OPTIMIZERS.index(k[0]), LAYOUTS.index(k[1])))
@@ -257,7 +289,7 @@ def _print_table(rows: list[dict]) -> None:
                 f"{any_row['floor_parallel_ms']:>7.2f} | ")
         line += " | ".join(f"{by[i]['time_ms']:>14.2f} {by[i]['ratio_to_floor']:>5.2f}x "
                            f"{by[i]['ratio_to_parallel_floor']:>6.2f}x" if i in by
-                           else f"{'-':>14} {'-':>6} {'-':>7}" for i in IMPLS)
+                           else f"{'-':>14} {'-':>6} {'-':>7}" for i in impls)
         sp = by.get("hostreduce", {}).get("speedup_vs_keras")
         line += f" | {sp:>7.2f}x" if sp is not None else f" | {'-':>8}"
         print(line)
@@ -269,15 +301,15 @@ def _plot(path: Path, rows: list[dict]) -> None:
                   key=lambda k: (OPTIMIZERS.index(k[0]), LAYOUTS.index(k[1])))
     labels = [f"{o}\n{'161 tensors' if l == 'resnet50' else '1 tensor'}" for o, l in keys]
     fig, ax = plt.subplots(figsize=(10, 4.8))
-    width = 0.27
     series = [("floor (memory bandwidth)", lambda o, l: next(r["floor_ms"] for r in rows
                                                            if r["optimizer"] == o and r["layout"] == l))]
-    for impl in IMPLS:
+    width = 0.8 / (len(_present(rows)) + 1)
+    for impl in _present(rows):
         series.append((IMPLS[impl], (lambda i: lambda o, l: next(
             (r["time_ms"] for r in rows if r["optimizer"] == o and r["layout"] == l and r["impl"] == i),
             float("nan")))(impl)))
     for k, (label, get) in enumerate(series):
-        xs = [j + (k - 1) * width for j in range(len(keys))]
+        xs = [j + (k - (len(series) - 1) / 2) * width for j in range(len(keys))]
         ax.bar(xs, [get(o, l) for o, l in keys], width, label=label)
     ax.set_xticks(range(len(keys)))
     ax.set_xticklabels(labels)
@@ -294,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: sgd,momentum,adam")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: resnet50 (161 tensors), single")
-    p.add_argument("--impl", default=",".join(IMPLS), help="comma-separated: hostreduce,keras")
+    p.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
+                   help="comma-separated: hostreduce,keras (default), numpy (Adam only: overlap_engine.py's "
+                        "update, to compare with TensorFlow's fused kernel)")
     p.add_argument("--quick", action="store_true", help="smoke run: ~0.4M parameters, 3 reps x 2 rounds (< 60 s)")
     p.add_argument("--width-divisor", type=int, default=None,
                    help="divide ResNet-50's channel counts by this (default 1; --quick: 8)")
@@ -309,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = cli.parse_choices(p, "--optimizers", args.optimizers, OPTIMIZERS)
     layouts = cli.parse_choices(p, "--layouts", args.layouts, LAYOUTS)
     impls = [i for i in IMPLS if i in cli.parse_choices(p, "--impl", args.impl, list(IMPLS))]
+    if "numpy" in impls and opts != ["adam"]:
+        p.error("--impl numpy models Adam alone: use it with --optimizers adam")
     divisor = args.width_divisor or (8 if args.quick else 1)
     reps = args.reps or (3 if args.quick else 10)
     rounds = args.rounds or (2 if args.quick else 4)

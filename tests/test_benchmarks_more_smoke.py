@@ -90,6 +90,23 @@ def test_host_apply_quick_writes_every_field(tmp_path: Path) -> None:
     assert "speed-up" in proc.stdout
 
 
+@pytest.mark.tf
+@pytest.mark.timeout(150)
+def test_host_apply_times_the_overlap_engines_numpy_update_against_the_fused_kernel(tmp_path: Path) -> None:
+    _run("host_apply.py", tmp_path, 130, "--optimizers", "adam", "--layouts", "single", "--impl", "hostreduce,numpy")
+    result = json.loads((tmp_path / "host_apply.json").read_text())
+    rows = {r["impl"]: r for r in result["measurements"]}
+    assert set(rows) == {"hostreduce", "numpy"}
+    assert rows["hostreduce"]["time_over_hostreduce"] == 1.0
+    assert rows["numpy"]["time_ms"] > 0 and rows["numpy"]["time_over_hostreduce"] > 0
+    assert rows["numpy"]["max_abs_diff_vs_other_after_one_step"] is None  # timed, not compared
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTREDUCE_")}
+    proc = subprocess.run([sys.executable, str(BENCH / "host_apply.py"), "--quick", "--impl", "numpy", "--out",
+                           str(tmp_path / "refused")], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--impl numpy models Adam alone" in proc.stderr
+
+
 # Stand-ins for Horovod's two synthetic benchmark files (the benchmark runs whatever
 # --horovod-src holds): they import horovod.tensorflow, all-reduce once and print the
 # files' summary line, so the import alias, the launch and the parsing are exercised.
