@@ -3,11 +3,14 @@ and Horovod's elastic TensorFlow 2 example run under ``hostreduce run --min-np -
 while a worker is killed and others are added."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
 
 import grpc
 import pytest
@@ -263,6 +266,39 @@ def _pid_of(job: Job, worker: int) -> int:
     raise AssertionError(f"no process of worker {worker}")
 
 
+def _kill_one_then_grow_to_three(cmd: list[str], marks: Path, hosts: Path, *, ready: list[str], victim: int,
+                                 hold_first: str, alone: str, hold_second: str) -> tuple[str, set[str], list[str]]:
+    """Run an elastic example on 2 workers held at ``hold_first``: once ``ready`` are
+    marked, SIGKILL worker ``victim`` (the discovery script offers 1 slot), release the
+    survivor, wait until it marks ``alone``, offer 3 slots, wait until two workers wait
+    to join, release ``hold_second`` and let the job end. Checks that it ended well, with
+    the same weights on all 3 ranks; returns the launcher's output, the marks and what
+    the job left in ``/dev/shm``."""
+    (marks / hold_first).touch()
+    (marks / hold_second).touch()
+    with Job() as job:
+        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
+        _wait_marks(launcher, marks, ready)
+        pid = _pid_of(job, victim)   # found first: the slot and the worker go together
+        hosts.write_text("localhost:1\n")
+        os.kill(pid, signal.SIGKILL)
+        (marks / hold_first).unlink()
+        _wait_marks(launcher, marks, [alone])
+        hosts.write_text("localhost:3\n")
+        _wait_output(launcher, "worker 2 waits to join")
+        _wait_output(launcher, "worker 3 waits to join")
+        (marks / hold_second).unlink()
+        job.wait(300)
+        leftovers = job.leftovers()
+    out = launcher.output
+    assert launcher.returncode == 0, out[-4000:]
+    assert not leftovers
+    done = re.findall(r"RESULT rank (\d)/(\d): weights=(\w+)", out)
+    assert sorted((r, n) for r, n, _ in done) == [("0", "3"), ("1", "3"), ("2", "3")], out[-4000:]
+    assert len({d for _, _, d in done}) == 1, done
+    return out, set(os.listdir(marks)), [e for e in os.listdir("/dev/shm") if job.marker in e]
+
+
 def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     """``tensorflow2_mnist_elastic.py`` (import changed, local data) on 2 workers: worker 0,
     rank 0, is SIGKILLed mid-epoch and worker 1 goes on alone from its last commit as rank
@@ -270,38 +306,18 @@ def test_horovods_elastic_example_survives_a_kill_and_grows(tmp_path):
     ends with the same weights on all 3 ranks, the example's checkpoint written by the
     rank 0 of the last epoch, every process gone."""
     marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
-    (marks / "hold-b3").touch()
-    (marks / "hold-b8").touch()
-    cmd = _elastic_cmd(discover, str(EXAMPLE), "90", str(tmp_path / "ckpt"))
-    with Job() as job:
-        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
-        _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
-        victim = _pid_of(job, 0)   # found first: the slot and the worker go together
-        hosts.write_text("localhost:1\n")
-        os.kill(victim, signal.SIGKILL)
-        (marks / "hold-b3").unlink()
-        _wait_marks(launcher, marks, ["commit-w1-b8-s1"])
-        hosts.write_text("localhost:3\n")
-        _wait_output(launcher, "worker 2 waits to join")
-        _wait_output(launcher, "worker 3 waits to join")
-        (marks / "hold-b8").unlink()
-        job.wait(300)
-        leftovers = job.leftovers()
-    out = launcher.output
-    assert launcher.returncode == 0, out[-4000:]
-    assert not leftovers
+    out, names, shm_left = _kill_one_then_grow_to_three(
+        _elastic_cmd(discover, str(EXAMPLE), "90", str(tmp_path / "ckpt")), marks, hosts,
+        ready=["commit-w0-b3-s2", "commit-w1-b3-s2"], victim=0, hold_first="hold-b3", alone="commit-w1-b8-s1",
+        hold_second="hold-b8")
     assert "worker 0 was killed by SIGKILL" in out
     assert re.search(r"\[1\] DONE worker 1 rank 0/3", out), out[-3000:]   # the chief's role moved to worker 1
     assert (tmp_path / "ckpt-1.index").exists(), sorted(os.listdir(tmp_path))
-    done = re.findall(r"RESULT rank (\d)/(\d): weights=(\w+)", out)
-    assert sorted((r, n) for r, n, _ in done) == [("0", "3"), ("1", "3"), ("2", "3")], out[-4000:]
-    assert len({d for _, _, d in done}) == 1, done
-    names = set(os.listdir(marks))
     # Worker 1 went on alone from its last commit: at most the step in flight was lost.
     alone = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"commit-w1-b(\d+)-s1", n)))
     assert alone and alone[0] in (3, 4), alone
     assert any(re.fullmatch(r"commit-w[23]-b\d+-s3", n) for n in names)
-    assert not [e for e in os.listdir("/dev/shm") if job.marker in e]
+    assert not shm_left
 
 
 KERAS_EXAMPLE = ROOT / "tests" / "elastic_workers" / "tensorflow2_keras_mnist_elastic.py"
@@ -313,31 +329,11 @@ def test_horovods_elastic_keras_example_survives_a_kill_and_grows(tmp_path):
     the first epoch, worker 0 resumes from its last commit alone, then two workers join
     in the next epoch and all 3 end with the same weights."""
     marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
-    (marks / "hold-e0-b4").touch()
-    (marks / "hold-e1-b2").touch()
-    cmd = _elastic_cmd(discover, str(KERAS_EXAMPLE), "30", "3", str(tmp_path))
-    with Job() as job:
-        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
-        _wait_marks(launcher, marks, ["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"])
-        victim = _pid_of(job, 1)   # found first: the slot and the worker go together
-        hosts.write_text("localhost:1\n")
-        os.kill(victim, signal.SIGKILL)
-        (marks / "hold-e0-b4").unlink()
-        _wait_marks(launcher, marks, ["batch-w0-e1-b2-s1"])
-        hosts.write_text("localhost:3\n")
-        _wait_output(launcher, "worker 2 waits to join")
-        _wait_output(launcher, "worker 3 waits to join")
-        (marks / "hold-e1-b2").unlink()
-        job.wait(300)
-        leftovers = job.leftovers()
-    out = launcher.output
-    assert launcher.returncode == 0, out[-4000:]
-    assert not leftovers
-    done = re.findall(r"RESULT rank (\d)/(\d): weights=(\w+)", out)
-    assert sorted((r, n) for r, n, _ in done) == [("0", "3"), ("1", "3"), ("2", "3")], out[-4000:]
-    assert len({d for _, _, d in done}) == 1, done
+    out, names, _ = _kill_one_then_grow_to_three(
+        _elastic_cmd(discover, str(KERAS_EXAMPLE), "30", "3", str(tmp_path)), marks, hosts,
+        ready=["batch-w0-e0-b4-s2", "batch-w1-e0-b4-s2"], victim=1, hold_first="hold-e0-b4",
+        alone="batch-w0-e1-b2-s1", hold_second="hold-e1-b2")
     assert re.findall(r"DONE worker \d rank \d/3 epoch 3", out), out[-3000:]
-    names = set(os.listdir(marks))
     assert any(re.fullmatch(r"batch-w[23]-e2-b\d+-s3", n) for n in names), sorted(names)
 
 
@@ -362,22 +358,39 @@ def _wait_output(worker, text: str, timeout: float = 240.0) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _deterministic_job(tmp_path: Path, steps: int, holds: tuple[str, ...], **env: str) -> Iterator[SimpleNamespace]:
+    """``deterministic.py STEPS`` under the elastic launcher on 2 slots (its marks held at
+    ``holds``), beside the one-process reference run (``tmp_path/ref.npz``). The body
+    drives the job (``run.launcher``, ``run.job``, ``run.marks``, ``run.hosts``); on
+    leaving, the job is waited for and must have ended well, every process gone."""
+    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
+    for hold in holds:
+        (marks / hold).touch()
+    with Job() as job:
+        run = SimpleNamespace(job=job, marks=marks, hosts=hosts, reference_path=tmp_path / "ref.npz")
+        run.launcher = job.start(_elastic_cmd(discover, str(DETERMINISTIC), str(steps)),
+                                 base_env(HR_ELASTIC_MARKS=str(marks), **env))
+        run.reference = job.start([sys.executable, str(DETERMINISTIC), str(steps), "--reference",
+                                   str(run.reference_path)], base_env())
+        yield run
+        job.wait(300)
+        leftovers = job.leftovers()
+    assert run.launcher.returncode == 0, run.launcher.output[-4000:]
+    assert run.reference.returncode == 0, run.reference.output[-2000:]
+    assert not leftovers
+
+
 def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
     """2 workers; one is SIGKILLed after the commit of step 4 (the survivor redoes
     nothing twice and loses nothing committed); at step 8 two workers join; at step 11
     the discovery script drops a slot and the newest worker leaves at the next commit;
     after 14 steps both ranks' weights equal one process's on the whole batches
     (rel <= 1e-6)."""
-    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
-    for step in (4, 8, 11):
-        (marks / f"hold-b{step}").touch()
-    cmd = _elastic_cmd(discover, str(DETERMINISTIC), "14")
-    with Job() as job:
-        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
-        reference = job.start([sys.executable, str(DETERMINISTIC), "14", "--reference", str(tmp_path / "ref.npz")],
-                              base_env())
+    with _deterministic_job(tmp_path, 14, ("hold-b4", "hold-b8", "hold-b11")) as run:
+        launcher, marks, hosts = run.launcher, run.marks, run.hosts
         _wait_marks(launcher, marks, ["commit-w0-b4-s2", "commit-w1-b4-s2"])
-        victim = _pid_of(job, 1)   # found first: the slot and the worker go together
+        victim = _pid_of(run.job, 1)   # found first: the slot and the worker go together
         hosts.write_text("localhost:1\n")
         os.kill(victim, signal.SIGKILL)
         (marks / "hold-b4").unlink()
@@ -390,11 +403,6 @@ def test_a_job_going_2_1_3_2_ends_with_the_one_process_weights(tmp_path):
         hosts.write_text("localhost:2\n")
         _wait_output(launcher, "worker 3: its slot left the discovery script's hosts")
         (marks / "hold-b11").unlink()
-        job.wait(300)
-        leftovers = job.leftovers()
-    assert launcher.returncode == 0, launcher.output[-4000:]
-    assert reference.returncode == 0, reference.output[-2000:]
-    assert not leftovers
     names = set(os.listdir(marks))
     assert "commit-w0-b5-s1" in names, sorted(names)
     # Step 12's commit raised HostsUpdatedInterrupt; the 2 ranks went on with step 13, nothing redone.
@@ -545,24 +553,13 @@ def test_a_member_gone_before_its_epochs_ring_comes_up_costs_a_reset(tmp_path):
     """A joiner gets its place in the next epoch and exits before connecting: the other
     members' ring start-up fails (connect timeout) and they reset without it; the worker
     the launcher starts on the free slot joins later, and the result is one process's."""
-    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
-    (marks / "hold-b3").touch()
-    (marks / "die-after-init-w2").touch()
-    cmd = _elastic_cmd(discover, str(DETERMINISTIC), "10")
-    with Job() as job:
-        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks), HOSTREDUCE_CONNECT_TIMEOUT_S="5"))
-        reference = job.start([sys.executable, str(DETERMINISTIC), "10", "--reference", str(tmp_path / "ref.npz")],
-                              base_env())
+    with _deterministic_job(tmp_path, 10, ("hold-b3", "die-after-init-w2"), HOSTREDUCE_CONNECT_TIMEOUT_S="5") as run:
+        launcher, marks = run.launcher, run.marks
         _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
-        hosts.write_text("localhost:3\n")
+        run.hosts.write_text("localhost:3\n")
         _wait_output(launcher, "worker 2 waits to join")
         (marks / "hold-b3").unlink()
-        job.wait(300)
-        leftovers = job.leftovers()
     out = launcher.output
-    assert launcher.returncode == 0, out[-4000:]
-    assert reference.returncode == 0
-    assert not leftovers
     assert "worker 2 exited with code 3" in out, out[-3000:]
     assert re.search(r"\[[01]\] hvd.elastic: the job lost a worker", out), out[-3000:]
     finals = sorted(marks.glob("final-w*.npz"))
@@ -575,26 +572,16 @@ def test_a_slot_freed_by_a_death_goes_back_to_the_worker_that_was_leaving(tmp_pa
     commit; worker 0 is SIGKILLed before that commit: worker 1 keeps the freed slot and
     goes on alone from its last commit, no worker is started, and the result is one
     process's."""
-    marks, hosts, discover = _elastic_files(tmp_path, "localhost:2\n")
-    (marks / "hold-b3").touch()
-    cmd = _elastic_cmd(discover, str(DETERMINISTIC), "6")
-    with Job() as job:
-        launcher = job.start(cmd, base_env(HR_ELASTIC_MARKS=str(marks)))
-        reference = job.start([sys.executable, str(DETERMINISTIC), "6", "--reference", str(tmp_path / "ref.npz")],
-                              base_env())
+    with _deterministic_job(tmp_path, 6, ("hold-b3",)) as run:
+        launcher, marks = run.launcher, run.marks
         _wait_marks(launcher, marks, ["commit-w0-b3-s2", "commit-w1-b3-s2"])
-        victim = _pid_of(job, 0)
-        hosts.write_text("localhost:1\n")
+        victim = _pid_of(run.job, 0)
+        run.hosts.write_text("localhost:1\n")
         _wait_output(launcher, "worker 1: its slot left the discovery script's hosts")
         os.kill(victim, signal.SIGKILL)
         _wait_output(launcher, "worker 1: a slot of")
         (marks / "hold-b3").unlink()
-        job.wait(300)
-        leftovers = job.leftovers()
     out = launcher.output
-    assert launcher.returncode == 0, out[-4000:]
-    assert reference.returncode == 0
-    assert not leftovers
     assert "worker 2" not in out, out[-3000:]
     assert "commit-w1-b6-s1" in set(os.listdir(marks)), sorted(os.listdir(marks))
     _assert_one_process_weights(tmp_path / "ref.npz", [marks / "final-w1.npz"])
