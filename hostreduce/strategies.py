@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from .errors import ConfigError
+from .ps_training.coordinator import ParameterServerSurface
 from .tf_strategy.surface import DistributeSurface
 
 __all__ = ["Strategy", "SingleProcessStrategy", "MultiWorkerStrategy", "HorovodStrategy", "ParameterServerStrategy",
@@ -236,7 +237,7 @@ class HorovodStrategy(DistributeSurface, Strategy):
         return resolve_cluster(env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"})
 
 
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(ParameterServerSurface, Strategy):
     """Data-parallel training with the variables on parameter servers: the ``ps`` tasks
     of ``TF_CONFIG``, which run the same script.
 
@@ -355,7 +356,7 @@ class ParameterServerStrategy(Strategy):
         return self._job
 
     def keras_optimizer(self, optimizer: Any) -> Any:
-        """``optimizer`` (Keras 3 SGD, Adam or Adagrad, not used yet) for ``model.compile``
+        """``optimizer`` (Keras 3 SGD, Adam, Adagrad or RMSprop, not used yet) for ``model.compile``
         or ``apply_gradients``, with the variables and its slots on the ps: each step
         pushes the gradients and pulls the variables back (``hostreduce/ps_training/keras.py``).
         On a ``ps`` task this call serves until the chief ends the job, then exits 0."""

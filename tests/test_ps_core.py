@@ -86,7 +86,8 @@ def test_sum_duplicates_adds_each_ids_rows_in_arrival_order(distinct: int) -> No
 KERAS_CASES = [("SGD", {"learning_rate": 0.1}), ("SGD", {"learning_rate": 0.1, "momentum": 0.9}),
                ("SGD", {"learning_rate": 0.05, "momentum": 0.8, "nesterov": True}),
                ("Adam", {"learning_rate": 0.01}), ("Adam", {"learning_rate": 0.003, "beta_2": 0.99, "epsilon": 1e-4}),
-               ("Adagrad", {"learning_rate": 0.1})]
+               ("Adagrad", {"learning_rate": 0.1}), ("RMSprop", {"learning_rate": 0.1}),
+               ("RMSprop", {"learning_rate": 0.01, "rho": 0.8, "momentum": 0.9, "centered": True})]
 
 
 @pytest.mark.parametrize("name,kwargs", KERAS_CASES)

@@ -221,6 +221,32 @@ def test_parameter_server_tutorial_fit(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt.keras").exists() and any((tmp_path / "log").rglob("*tfevents*"))
 
 
+def _check_ps_ctl(output: str) -> None:
+    _same_weights(output)
+    accuracies, losses = _values(output, "ACCURACIES"), _values(output, "FINAL_LOSS")
+    assert len(accuracies) == len(losses) == 2, output[-4000:]
+    # the label is whether "avenger" is among 3 of 7 names: 0.57 for a constant guess
+    assert all(run[-1] > 0.9 for run in accuracies) and all(loss < 0.3 for loss in losses), (accuracies, losses)
+
+
+def test_parameter_server_tutorial_custom_loop(tmp_path: Path) -> None:
+    """The tutorial's custom loop on ``hostreduce.ParameterServerStrategy`` (2 ps, 2
+    workers, Keras 3): ``tf.distribute.coordinator.ClusterCoordinator(strategy)``,
+    ``create_per_worker_dataset``, ``schedule``/``join``/``fetch``, ``strategy.run`` and
+    ``reduce``, RMSprop made in the scope applying on the ps; every task exits 0, the
+    model learns the tutorial's rule and the workers end with the same weights."""
+    _check_ps_ctl(_launched(run_launcher(WORKERS / "ps_ctl_main.py", [], env=_env("0"), timeout=TIMEOUT,
+                                         extra=["--ps", "2"])))
+
+
+def test_parameter_server_tutorial_custom_loop_by_hand(tmp_path: Path) -> None:
+    """The same, one process per task with its own ``TF_CONFIG``."""
+    tasks = run_ps_by_hand(WORKERS / "ps_ctl_main.py", [], env=_env("0"), timeout=TIMEOUT)
+    for name, task in tasks.items():
+        assert task.returncode == 0, f"{name}:\n{task.output[-4000:]}"
+    _check_ps_ctl("".join(tasks[name].output for name in ("chief", "worker1")))
+
+
 def test_parameter_server_tutorial_on_tf_keras_is_refused_by_name(tmp_path: Path) -> None:
     worker = run_launcher(WORKERS / "ps_main.py", ["1", "2", str(tmp_path)], env=_env("1"), timeout=TIMEOUT,
                           extra=["--ps", "2"])

@@ -1,5 +1,5 @@
-"""Optimizers a parameter server applies on its host: SGD (momentum, Nesterov), Adam and
-Adagrad, on dense arrays and on rows, in place, with numpy.
+"""Optimizers a parameter server applies on its host: SGD (momentum, Nesterov), Adam,
+Adagrad and RMSprop (momentum, centered), on dense arrays and on rows, in place, with numpy.
 
 The arithmetic is Keras 3's, operation for operation and in the variable's dtype
 (``keras.optimizers.Adam.update_step``: ``alpha = lr * sqrt(1 - beta_2^t) / (1 -
@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError
 
-__all__ = ["HostOptimizer", "SGD", "Adam", "Adagrad", "from_config", "from_keras"]
+__all__ = ["HostOptimizer", "SGD", "Adam", "Adagrad", "RMSprop", "from_config", "from_keras"]
 
 
 def _number(name: str, value: Any, *, low: float = 0.0, high: float | None = None, open_low: bool = False) -> float:
@@ -207,7 +207,56 @@ class Adagrad(HostOptimizer):
                 "epsilon": self.epsilon}
 
 
-_BY_NAME: dict[str, type[HostOptimizer]] = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad}
+class RMSprop(HostOptimizer):
+    """``keras.optimizers.RMSprop``: ``v = rho * v + (1 - rho) * g^2``; centered, also
+    ``a = rho * a + (1 - rho) * g`` and ``den = v - a^2 + epsilon``, else ``den = v +
+    epsilon``; ``inc = lr * g / sqrt(den)``; with momentum ``m = momentum * m + inc; var -=
+    m``, else ``var -= inc``."""
+
+    name = "rmsprop"
+
+    def __init__(self, learning_rate: float = 0.001, rho: float = 0.9, momentum: float = 0.0,
+                 epsilon: float = 1e-7, centered: bool = False, sparse: str = "keras") -> None:
+        super().__init__(learning_rate, sparse)
+        self.rho = _number("rho", rho, high=1.0)
+        self.momentum = _number("momentum", momentum, high=1.0)
+        self.epsilon = _number("epsilon", epsilon)
+        if not isinstance(centered, bool):
+            raise ConfigError(f"`centered` must be a bool. Received: centered={centered!r}")
+        self.centered = centered
+        self.slots = ("velocity",) + (("momentum",) if self.momentum else ()) + (("average_gradient",)
+                                                                                 if centered else ())
+
+    def _dense(self, value: np.ndarray, slots: Mapping[str, np.ndarray], g: np.ndarray, step: int) -> None:
+        t = value.dtype.type
+        rho, v = t(self.rho), slots["velocity"]
+        v *= rho
+        v += np.square(g) * t(1 - self.rho)
+        if self.centered:
+            a = slots["average_gradient"]
+            a *= rho
+            a += g * t(1 - self.rho)
+            den = v - np.square(a)
+            den += t(self.epsilon)
+        else:
+            den = v + t(self.epsilon)
+        np.sqrt(den, out=den)
+        inc = g * t(self.learning_rate)
+        inc /= den
+        if self.momentum:
+            m = slots["momentum"]
+            m *= t(self.momentum)
+            m += inc
+            value -= m
+        else:
+            value -= inc
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon,
+                "centered": self.centered}
+
+
+_BY_NAME: dict[str, type[HostOptimizer]] = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "rmsprop": RMSprop}
 
 
 def from_config(config: Mapping[str, Any]) -> HostOptimizer:
@@ -227,15 +276,18 @@ _KERAS_DEFAULTS = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "g
                    "use_ema": False, "amsgrad": False, "loss_scale_factor": None, "gradient_accumulation_steps": None}
 _KERAS_KEYS = {"sgd": ("learning_rate", "momentum", "nesterov"),
                "adam": ("learning_rate", "beta_1", "beta_2", "epsilon"),
-               "adagrad": ("learning_rate", "initial_accumulator_value", "epsilon")}
+               "adagrad": ("learning_rate", "initial_accumulator_value", "epsilon"),
+               "rmsprop": ("learning_rate", "rho", "momentum", "epsilon", "centered")}
 
 
 def from_keras(optimizer: Any, *, sparse: str = "keras") -> HostOptimizer:
-    """The host optimizer equal to a Keras 3 SGD, Adam or Adagrad (constant learning rate)."""
+    """The host optimizer equal to a Keras 3 SGD, Adam, Adagrad or RMSprop (constant
+    learning rate)."""
     config = optimizer.get_config()
     name = type(optimizer).__name__.lower()
     if name not in _KERAS_KEYS:
-        raise ConfigError(f"`optimizer` must be a keras.optimizers SGD, Adam or Adagrad. Received: {optimizer!r}")
+        raise ConfigError(f"`optimizer` must be a keras.optimizers SGD, Adam, Adagrad or RMSprop. Received: "
+                          f"{optimizer!r}")
     for key, default in _KERAS_DEFAULTS.items():
         if config.get(key, default) not in (default, 0, 0.0) or (key == "amsgrad" and config.get(key)):
             raise ConfigError(f"`optimizer` setting {key}={config[key]!r} is not supported on parameter servers "

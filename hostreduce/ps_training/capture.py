@@ -118,7 +118,7 @@ def _tf1_config(optimizer: Any) -> dict[str, Any] | None:
 
 def host_optimizer_config(optimizers: list[Any], sparse: str = "keras") -> dict[str, Any]:
     """The ``hostreduce.ps`` optimizer config equal to ``optimizers`` (all must agree):
-    Keras 3 SGD, Adam, Adagrad; TF1 GradientDescent, Momentum, Adam, Adagrad."""
+    Keras 3 SGD, Adam, Adagrad, RMSprop; TF1 GradientDescent, Momentum, Adam, Adagrad."""
     from ..ps.optimizers import from_config, from_keras
 
     configs = []
@@ -128,7 +128,7 @@ def host_optimizer_config(optimizers: list[Any], sparse: str = "keras") -> dict[
             continue
         config = _tf1_config(optimizer)
         if config is None:
-            raise ConfigError("The optimizer of `host_call` must be a Keras 3 SGD, Adam or Adagrad or a TF1 "
+            raise ConfigError("The optimizer of `host_call` must be a Keras 3 SGD, Adam, Adagrad or RMSprop or a TF1 "
                               "GradientDescent, Momentum, Adam or Adagrad optimizer on parameter servers. "
                               f"Received: {type(optimizer).__module__}.{type(optimizer).__name__}")
         configs.append(from_config({**config, "sparse": sparse}).get_config())

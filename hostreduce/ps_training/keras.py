@@ -27,7 +27,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ClusterError, ConfigError, SpecError
+from ..errors import ConfigError, SpecError
+from .roles import training_task
 from .rowcache import is_row_cache, row_caches, shard_tables
 
 __all__ = ["keras_optimizer", "variable_scope", "pull_variables", "release_lookups"]
@@ -198,31 +199,42 @@ def _check_one_lookup(variables: Sequence[Any]) -> None:
 
 
 def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
-    """``optimizer`` (a Keras 3 SGD, Adam or Adagrad, constant learning rate, not used
+    """``optimizer`` (a Keras 3 SGD, Adam, Adagrad or RMSprop, constant learning rate, not used
     yet) with its variables and slots on ``strategy``'s parameter servers; on a ``ps``
     task this serves until the chief ends the job, then exits 0."""
-    from ..host.kerases import keras_of, optimizer_subclass
+    from ..host.kerases import optimizer_subclass
+
+    training_task(strategy, "an optimizer")
+    config = _checked_config(strategy, optimizer)
+    wrapped = optimizer_subclass(type(optimizer), _PSUpdate).from_config(optimizer.get_config())
+    wrapped._hostreduce_exchange = _Exchange(strategy, config)
+    return wrapped
+
+
+def _checked_config(strategy: Any, optimizer: Any) -> dict[str, Any]:
+    """The ps's configuration for ``optimizer``, a Keras 3 optimizer not used yet (a
+    ``ConfigError`` naming what the ps cannot apply otherwise)."""
+    from ..host.kerases import keras_of
     from .capture import host_optimizer_config
 
-    role = strategy.role
-    if role == "ps":
-        from .roles import serve_and_exit
-
-        serve_and_exit(strategy)
-    if role != "worker":
-        raise ClusterError(f"A Keras job on parameter servers has ps and training tasks only. Received: task.type="
-                           f"{strategy.cluster.task_type!r}")
     package = keras_of(optimizer)
     if package is None or package.__name__ != "keras" or not isinstance(optimizer, package.optimizers.Optimizer):
-        raise ConfigError(f"`optimizer` must be a Keras 3 optimizer (SGD, Adam or Adagrad). Received: "
+        raise ConfigError(f"`optimizer` must be a Keras 3 optimizer (SGD, Adam, Adagrad or RMSprop). Received: "
                           f"optimizer={optimizer!r}")
     if getattr(optimizer, "built", False):
         raise ConfigError("`optimizer` must not have been used yet: wrap it before training (its state would be "
                           f"lost). Received: an optimizer at iteration {int(optimizer.iterations.numpy())}")
-    config = host_optimizer_config([optimizer], strategy.sparse)  # refuses what the ps cannot apply
-    wrapped = optimizer_subclass(type(optimizer), _PSUpdate).from_config(optimizer.get_config())
-    wrapped._hostreduce_exchange = _Exchange(strategy, config)
-    return wrapped
+    return host_optimizer_config([optimizer], strategy.sparse)
+
+
+def _adopt(strategy: Any, optimizer: Any) -> None:
+    """Turn ``optimizer`` (made in ``strategy.scope()``) into one whose variables and
+    slots live on the ps, in place: the object the script holds is the one that trains."""
+    from ..host.kerases import optimizer_subclass
+
+    config = _checked_config(strategy, optimizer)
+    optimizer.__class__ = optimizer_subclass(type(optimizer), _PSUpdate)
+    optimizer._hostreduce_exchange = _Exchange(strategy, config)
 
 
 @contextlib.contextmanager
@@ -234,8 +246,14 @@ def variable_scope(strategy: Any) -> Iterator[None]:
 
     store = VariableStore(on_host=True)
     shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes)
-    with store.scope(), _compiled_for(strategy):
+    made: list[Any] = []  # Keras 3 optimizers made in the block
+    with store.scope(), _optimizers_made(made), _compiled_for(strategy, made):
         yield
+    made = [o for o in made if not hasattr(o, "_hostreduce_exchange")]
+    if made:  # a custom loop's optimizer: it applies on the ps (a ps task serves here)
+        training_task(strategy, "an optimizer made in strategy.scope()")
+        for optimizer in made:
+            _adopt(strategy, optimizer)
     caches = row_caches(store)
     for cache in caches.values():  # traced before the optimizer connects the job
         cache.step_fill = lambda ids, cache=cache: _connected(strategy).fill(cache, ids)
@@ -247,12 +265,45 @@ def variable_scope(strategy: Any) -> Iterator[None]:
         state.lookups.enter_context(_take_rows())
 
 
+_LEGACY = ("SGD", "Adam", "Adagrad", "RMSprop")
+
+
 @contextlib.contextmanager
-def _compiled_for(strategy: Any) -> Iterator[None]:
+def _optimizers_made(made: list[Any]) -> Iterator[None]:
+    """Collect in ``made`` the Keras 3 optimizers constructed in this block; there
+    ``tf.keras.optimizers.legacy.SGD``, ``Adam``, ``Adagrad`` and ``RMSprop`` (which
+    Keras 3 refuses to construct) make their Keras 3 classes, as TensorFlow's
+    parameter-server tutorial writes them."""
+    from ..host.patch import routed
+
+    try:
+        import keras
+    except ImportError:
+        yield
+        return
+
+    def init(original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        original(optimizer, *args, **kwargs)
+        made.append(optimizer)
+
+    def keras3(name: str) -> Any:
+        return lambda original, *args, **kwargs: getattr(keras.optimizers, name)(*args, **kwargs)
+
+    legacy = getattr(keras.optimizers, "legacy", None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(routed(keras.optimizers.Optimizer, "__init__", init))
+        for name in _LEGACY if legacy is not None else ():
+            if isinstance(getattr(legacy, name, None), type):
+                stack.enter_context(routed(legacy, name, keras3(name)))
+        yield
+
+
+@contextlib.contextmanager
+def _compiled_for(strategy: Any, made: list[Any]) -> Iterator[None]:
     """``model.compile(optimizer, ...)`` in the block, as TensorFlow's
     ``ParameterServerStrategy`` scripts write it: the optimizer becomes
-    ``strategy.keras_optimizer(optimizer)`` (on a ps task: serve until the chief ends
-    the job), and ``jit_compile="auto"`` becomes False (the step's host op is not XLA's).
+    ``strategy.keras_optimizer(optimizer)``, or, made in the block, trains on the ps
+    itself (on a ps task: serve until the chief ends the job), and ``jit_compile="auto"`` becomes False (the step's host op is not XLA's).
     A tf_keras model compiled here is refused: its updates would stay on the worker."""
     from ..host.keras_files import model_classes
     from ..host.patch import routed
@@ -261,7 +312,12 @@ def _compiled_for(strategy: Any) -> Iterator[None]:
         import keras
 
         if not hasattr(optimizer, "_hostreduce_exchange"):
-            optimizer = keras_optimizer(strategy, keras.optimizers.get(optimizer))
+            optimizer = keras.optimizers.get(optimizer)
+            if any(o is optimizer for o in made):  # made in the scope: it trains in place
+                training_task(strategy, "model.compile")
+                _adopt(strategy, optimizer)
+            else:
+                optimizer = keras_optimizer(strategy, optimizer)
         if kwargs.get("jit_compile", "auto") == "auto" and len(args) < 7:
             kwargs["jit_compile"] = False
         _files_from_the_chief(strategy, model)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from ..errors import ClusterError
 from ..progress import progress
 
-__all__ = ["serve_and_exit"]
+__all__ = ["serve_and_exit", "training_task"]
 
 
 def serve_and_exit(strategy: Any) -> NoReturn:
@@ -16,3 +17,15 @@ def serve_and_exit(strategy: Any) -> NoReturn:
     strategy.serve()
     progress("ps task %d: the chief ended the job", strategy.cluster.task_index)
     raise SystemExit(0)
+
+
+def training_task(strategy: Any, what: str) -> None:
+    """Where a script reaches ``what`` (the optimizer or the training loop of a Keras job
+    on parameter servers): a ps task serves from here on (``serve_and_exit``); a training
+    task goes on; any other task is refused."""
+    role = strategy.role
+    if role == "ps":
+        serve_and_exit(strategy)
+    if role != "worker":
+        raise ClusterError(f"A Keras job on parameter servers has ps and training tasks only; this task reached "
+                           f"{what}. Received: task.type={strategy.cluster.task_type!r}")

@@ -10,12 +10,14 @@ too), ``fit`` with the tutorial's ``TensorBoard``, ``ModelCheckpoint`` and
   ``hostreduce.ParameterServerStrategy()`` for
   ``tf.distribute.ParameterServerStrategy(cluster_resolver, variable_partitioner=...)``
   (hostreduce splits variables of 4 MiB and more by rows on its own);
-* Keras 3 renames: ``tf.keras.optimizers.SGD`` (``optimizers.legacy`` is gone), a
-  ``.keras`` name for ``ModelCheckpoint``'s file, an ``Input`` layer (Keras 3's
+* Keras 3 renames: a ``.keras`` name for ``ModelCheckpoint``'s file, an ``Input`` layer (Keras 3's
   ``BackupAndRestore`` needs a built model) and labels of shape ``(10, 1)`` (Keras 3's
   ``mse`` does not broadcast ``(64,)`` against the model's ``(64, 10)``), and the data
   made equal on every task;
 * the epochs, steps and working directory from the command line.
+
+(``tf.keras.optimizers.legacy.SGD``, which Keras 3 refuses, stays: in the strategy's
+scope it makes Keras 3's SGD.)
 
 Each training task prints its losses and ``RESULT rank R/N: weights=<digest>``.
 
@@ -46,7 +48,7 @@ dataset = dataset.prefetch(2)
 with strategy.scope():
     model = tf.keras.models.Sequential([tf.keras.Input((10,)), tf.keras.layers.Dense(10)])
 
-    model.compile(tf.keras.optimizers.SGD(), loss="mse", steps_per_execution=10)
+    model.compile(tf.keras.optimizers.legacy.SGD(), loss="mse", steps_per_execution=10)
 
 log_dir = os.path.join(working_dir, "log")
 ckpt_filepath = os.path.join(working_dir, "ckpt.keras")
