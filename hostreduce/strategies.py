@@ -262,7 +262,9 @@ class ParameterServerStrategy(ParameterServerSurface, Strategy):
         timeout_s: the longest wait for a ps, or (sync) for another worker's gradients
             of a step (default ``HOSTREDUCE_TIMEOUT_S``).
         sparse: how momentum and Adam update an embedding's rows: ``"keras"`` (exactly
-            as Keras on the dense gradient) or ``"lazy"`` (only the rows in the batch).
+            as the Keras optimizer does: Keras 3's as on the dense gradient; tf_keras's
+            legacy SGD and RMSprop with momentum only the rows in the batch) or
+            ``"lazy"`` (only the rows in the batch).
         nonfinite: what a ps does with a pushed gradient holding NaN or Inf:
             ``"apply"`` (what TensorFlow's optimizers do) or ``"refuse"`` (the push
             fails with ``NonFiniteGradientError``, in sync mode its step for every
@@ -356,9 +358,10 @@ class ParameterServerStrategy(ParameterServerSurface, Strategy):
         return self._job
 
     def keras_optimizer(self, optimizer: Any) -> Any:
-        """``optimizer`` (Keras 3 SGD, Adam, Adagrad or RMSprop, not used yet) for ``model.compile``
-        or ``apply_gradients``, with the variables and its slots on the ps: each step
-        pushes the gradients and pulls the variables back (``hostreduce/ps_training/keras.py``).
+        """``optimizer`` (Keras 3 or tf_keras SGD, Adam, Adagrad or RMSprop, not used yet)
+        for ``model.compile`` or ``apply_gradients``, with the variables and its slots on
+        the ps: each step pushes the gradients and pulls the variables back
+        (``hostreduce/ps_training/keras.py``).
         On a ``ps`` task this call serves until the chief ends the job, then exits 0."""
         from .ps_training.keras import keras_optimizer
 

@@ -114,6 +114,27 @@ def test_optimizers_match_keras_dense_and_rows(name, kwargs):
     assert max_rel(he, ke.numpy()) <= 1e-6
 
 
+@pytest.mark.tf
+def test_tf_keras_optimizers_match_the_ps_kernels():
+    """tf_keras's optimizers, legacy (``OptimizerV2``) and new, against the kernels the ps
+    choose for them (legacy Adagrad and RMSprop without momentum add epsilon after the
+    square root; legacy SGD and RMSprop with momentum update only the looked-up rows), in
+    a process of its own (it imports tf_keras)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.script_jobs import base_env
+
+    script = Path(__file__).resolve().parent / "ps_scripts" / "tf_keras_optimizers.py"
+    done = subprocess.run([sys.executable, str(script)], env=base_env(TF_USE_LEGACY_KERAS="1"), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    errors = json.loads(done.stdout.split("ERRORS", 1)[1])
+    assert len(errors) == 10 and all(max(e) <= 1e-6 for e in errors.values()), errors
+
+
 def test_lazy_rows_touch_only_their_rows():
     emb = np.ones((10, 3), np.float32)
     opt = Adam(0.1, sparse="lazy")

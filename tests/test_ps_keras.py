@@ -57,6 +57,24 @@ def test_async_fit_runs_to_its_end(tmp_path: Path) -> None:
         assert all(np.isfinite(v).all() for v in np.load(tmp_path / f"{rank}.npz").values())
 
 
+@pytest.mark.parametrize("legacy", [pytest.param("0", id="keras3"), pytest.param("1", id="tf_keras")])
+def test_fit_inside_the_scope_with_a_legacy_optimizer_equals_one_process(legacy: str) -> None:
+    """Built, compiled (``tf.keras.optimizers.legacy.Adam``, ``SGD`` with momentum) and
+    trained inside ``strategy.scope()``, a model whose table is a row cache trains as the
+    same Keras does in one process (tf_keras: its legacy kernels, momentum updating only
+    the looked-up rows), within 1e-5."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "ps_scripts" / "fit_in_scope_ps.py"
+    done = subprocess.run([sys.executable, str(script)], env=base_env(TF_USE_LEGACY_KERAS=legacy),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    errors = json.loads(done.stdout.split("ERRORS", 1)[1])
+    assert sorted(errors) == ["Adam", "SGD momentum"] and max(errors.values()) <= 1e-5, errors
+
+
 @pytest.mark.timeout(120)
 def test_a_table_looked_up_twice_in_a_step_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """In ``strategy.scope()`` a split table is a cache of one lookup's rows per step: a

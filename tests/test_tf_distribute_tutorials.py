@@ -207,18 +207,32 @@ def test_fit_in_scope_under_mpirun(tmp_path: Path) -> None:
     _check_fit(tmp_path, "Adam", "scope")
 
 
-def test_parameter_server_tutorial_fit(tmp_path: Path) -> None:
-    """The tutorial's ``fit`` on ``hostreduce.ParameterServerStrategy`` (2 ps, 2 workers,
-    Keras 3): compiled in the scope, the optimizer's state lives on the ps; TensorBoard,
+@pytest.mark.parametrize("legacy", KERASES)
+def test_parameter_server_tutorial_fit(tmp_path: Path, legacy: str) -> None:
+    """The tutorial's ``fit`` on ``hostreduce.ParameterServerStrategy`` (2 ps, 2 workers):
+    compiled in the scope, the optimizer's state lives on the ps; TensorBoard,
     ``ModelCheckpoint`` and ``BackupAndRestore`` as the tutorial writes them (the chief
     alone writes the files); every task exits 0 (the launcher's status: the ps tasks'
     too)."""
-    output = _launched(run_launcher(WORKERS / "ps_main.py", ["3", "10", str(tmp_path)], env=_env("0"),
+    output = _launched(run_launcher(WORKERS / "ps_main.py", ["3", "10", str(tmp_path)], env=_env(legacy),
                                     timeout=TIMEOUT, extra=["--ps", "2"]))
     _same_weights(output)
     losses = _values(output, "LOSSES")
     assert len(losses) == 2 and all(run[-1] < run[0] for run in losses), losses
-    assert (tmp_path / "ckpt.keras").exists() and any((tmp_path / "log").rglob("*tfevents*"))
+    assert (tmp_path / ("ckpt" if legacy == "1" else "ckpt.keras")).exists()
+    assert any((tmp_path / "log").rglob("*tfevents*"))
+    assert not any(p.is_file() for p in (tmp_path / "backup").rglob("*"))  # removed once fit ended
+
+
+@pytest.mark.parametrize("legacy", KERASES)
+def test_parameter_server_tutorial_fit_by_hand(tmp_path: Path, legacy: str) -> None:
+    """The same, one process per task with its own ``TF_CONFIG`` (a chief, a worker, 2 ps)."""
+    tasks = run_ps_by_hand(WORKERS / "ps_main.py", ["3", "10", str(tmp_path)], env=_env(legacy), timeout=TIMEOUT)
+    for name, task in tasks.items():
+        assert task.returncode == 0, f"{name}:\n{task.output[-4000:]}"
+    output = "".join(tasks[name].output for name in ("chief", "worker1"))
+    _same_weights(output)
+    assert all(run[-1] < run[0] for run in _values(output, "LOSSES"))
 
 
 def _check_ps_ctl(output: str) -> None:
@@ -229,39 +243,24 @@ def _check_ps_ctl(output: str) -> None:
     assert all(run[-1] > 0.9 for run in accuracies) and all(loss < 0.3 for loss in losses), (accuracies, losses)
 
 
-def test_parameter_server_tutorial_custom_loop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("legacy", KERASES)
+def test_parameter_server_tutorial_custom_loop(tmp_path: Path, legacy: str) -> None:
     """The tutorial's custom loop on ``hostreduce.ParameterServerStrategy`` (2 ps, 2
-    workers, Keras 3): ``tf.distribute.coordinator.ClusterCoordinator(strategy)``,
+    workers): ``tf.distribute.coordinator.ClusterCoordinator(strategy)``,
     ``create_per_worker_dataset``, ``schedule``/``join``/``fetch``, ``strategy.run`` and
     ``reduce``, RMSprop made in the scope applying on the ps; every task exits 0, the
     model learns the tutorial's rule and the workers end with the same weights."""
-    _check_ps_ctl(_launched(run_launcher(WORKERS / "ps_ctl_main.py", [], env=_env("0"), timeout=TIMEOUT,
+    _check_ps_ctl(_launched(run_launcher(WORKERS / "ps_ctl_main.py", [], env=_env(legacy), timeout=TIMEOUT,
                                          extra=["--ps", "2"])))
 
 
-def test_parameter_server_tutorial_custom_loop_by_hand(tmp_path: Path) -> None:
+@pytest.mark.parametrize("legacy", KERASES)
+def test_parameter_server_tutorial_custom_loop_by_hand(tmp_path: Path, legacy: str) -> None:
     """The same, one process per task with its own ``TF_CONFIG``."""
-    tasks = run_ps_by_hand(WORKERS / "ps_ctl_main.py", [], env=_env("0"), timeout=TIMEOUT)
+    tasks = run_ps_by_hand(WORKERS / "ps_ctl_main.py", [], env=_env(legacy), timeout=TIMEOUT)
     for name, task in tasks.items():
         assert task.returncode == 0, f"{name}:\n{task.output[-4000:]}"
     _check_ps_ctl("".join(tasks[name].output for name in ("chief", "worker1")))
-
-
-def test_parameter_server_tutorial_on_tf_keras_is_refused_by_name(tmp_path: Path) -> None:
-    worker = run_launcher(WORKERS / "ps_main.py", ["1", "2", str(tmp_path)], env=_env("1"), timeout=TIMEOUT,
-                          extra=["--ps", "2"])
-    assert worker.returncode != 0
-    assert "ParameterServerStrategy trains Keras 3 models" in worker.output and "TF_USE_LEGACY_KERAS=1" in worker.output
-
-
-def test_parameter_server_tutorial_fit_by_hand(tmp_path: Path) -> None:
-    """The same, one process per task with its own ``TF_CONFIG`` (a chief, a worker, 2 ps)."""
-    tasks = run_ps_by_hand(WORKERS / "ps_main.py", ["3", "10", str(tmp_path)], env=_env("0"), timeout=TIMEOUT)
-    for name, task in tasks.items():
-        assert task.returncode == 0, f"{name}:\n{task.output[-4000:]}"
-    output = "".join(tasks[name].output for name in ("chief", "worker1"))
-    _same_weights(output)
-    assert all(run[-1] < run[0] for run in _values(output, "LOSSES"))
 
 
 def test_a_worker_that_raises_in_fit_ends_every_worker_by_hand(tmp_path: Path) -> None:

@@ -23,10 +23,11 @@ from typing import Any, Callable
 
 from .patch import routed
 
-__all__ = ["install", "model_classes"]
+__all__ = ["install", "model_classes", "tf_keras_wanted"]
 
 
-def _legacy_wanted() -> bool:
+def tf_keras_wanted() -> bool:
+    """Whether tf_keras is (to be) the Keras of this process's `tf.keras`."""
     return "tf_keras" in sys.modules or os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
 
 
@@ -40,7 +41,7 @@ def model_classes() -> list[type]:
         found.append(TensorFlowTrainer)
     except ImportError:
         pass
-    if _legacy_wanted():
+    if tf_keras_wanted():
         try:
             import tf_keras
 
@@ -51,19 +52,24 @@ def model_classes() -> list[type]:
 
 
 def install(owns: Callable[[Any], bool], is_chief: Callable[[], bool], barrier: Callable[[], None],
-            tf_keras_strategy: type | None = None) -> contextlib.ExitStack:
+            tf_keras_strategy: type | None = None, tf_keras_chief_only: bool = False) -> contextlib.ExitStack:
     """Route the callbacks of the Kerases in use for the models ``owns(model)`` accepts;
     ``is_chief()``: whether this worker writes; ``barrier()``: wait for every worker;
-    ``tf_keras_strategy``: the ``tf.distribute`` strategy class tf_keras's models carry
-    (None: leave tf_keras alone)."""
+    ``tf_keras_strategy``: the ``tf.distribute`` strategy class tf_keras's models carry;
+    ``tf_keras_chief_only``: tf_keras's models carry TensorFlow's default strategy (every
+    worker would write), so its callbacks write from the chief alone as Keras 3's do
+    (neither: leave tf_keras alone)."""
     stack = contextlib.ExitStack()
     try:
         _keras3(stack, owns, is_chief, barrier)
     except ImportError:
         pass
-    if tf_keras_strategy is not None and _legacy_wanted():
+    if (tf_keras_strategy is not None or tf_keras_chief_only) and tf_keras_wanted():
         try:
-            _tf_keras(stack, owns, barrier, tf_keras_strategy)
+            if tf_keras_chief_only:
+                _tf_keras_chief_only(stack, owns, is_chief, barrier)
+            else:
+                _tf_keras(stack, owns, barrier, tf_keras_strategy)
         except ImportError:
             pass
     return stack
@@ -87,6 +93,38 @@ def _tf_keras(stack: contextlib.ExitStack, owns: Callable[[Any], bool], barrier:
 
     stack.enter_context(routed(callbacks.BackupAndRestore, "on_train_begin", begin))
     stack.enter_context(routed(callbacks.BackupAndRestore, "on_train_end", end))
+
+
+def _tf_keras_chief_only(stack: contextlib.ExitStack, owns: Callable[[Any], bool], is_chief: Callable[[], bool],
+                         barrier: Callable[[], None]) -> None:
+    from tf_keras.src import callbacks
+
+    def chief_only(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        if owns(callback.model) and not is_chief():
+            return None
+        return original(callback, *args, **kwargs)
+
+    def restore_after_everyone(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        if owns(callback.model):
+            barrier()
+        return original(callback, *args, **kwargs)
+
+    def remove_then_wait(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        if not owns(callback.model):
+            return original(callback, *args, **kwargs)
+        delete = callback.delete_checkpoint
+        callback.delete_checkpoint = delete and is_chief()
+        try:
+            result = original(callback, *args, **kwargs)
+        finally:
+            callback.delete_checkpoint = delete
+        barrier()
+        return result
+
+    stack.enter_context(routed(callbacks.BackupAndRestore, "_backup", chief_only))
+    stack.enter_context(routed(callbacks.BackupAndRestore, "on_train_begin", restore_after_everyone))
+    stack.enter_context(routed(callbacks.BackupAndRestore, "on_train_end", remove_then_wait))
+    stack.enter_context(routed(callbacks.ModelCheckpoint, "_save_model", chief_only))
 
 
 def _keras3(stack: contextlib.ExitStack, owns: Callable[[Any], bool], is_chief: Callable[[], bool],

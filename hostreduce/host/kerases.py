@@ -14,8 +14,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_variables", "optimizer_subclass",
-           "check_not_xla"]
+__all__ = ["loaded_kerases", "keras_of", "underlying_variable", "optimizer_variables", "optimizer_bases",
+           "optimizer_subclass", "check_not_xla"]
 
 _PACKAGES = ("keras", "tf_keras")
 
@@ -54,6 +54,13 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
         return []
     found = optimizer.variables
     return list(found() if callable(found) else found)
+
+
+def optimizer_bases(package: Any) -> tuple[type, ...]:
+    """The optimizer base classes of a Keras package: tf_keras also has its legacy
+    (``OptimizerV2``) optimizers."""
+    legacy = getattr(getattr(package.optimizers, "legacy", None), "Optimizer", None)
+    return (package.optimizers.Optimizer,) + ((legacy,) if isinstance(legacy, type) else ())
 
 
 _subclasses: dict[tuple[type, type], type] = {}

@@ -28,7 +28,8 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ..errors import ConfigError
-from ..host.kerases import check_not_xla, keras_of, loaded_kerases, optimizer_subclass, underlying_variable
+from ..host.kerases import (check_not_xla, keras_of, loaded_kerases, optimizer_bases, optimizer_subclass,
+                            underlying_variable)
 from . import job as _engine
 from .tensors import ReduceOp
 
@@ -278,19 +279,12 @@ def is_wrapped(optimizer: Any) -> bool:
     return getattr(type(optimizer), "_hostreduce_base", None) is not None
 
 
-def _optimizer_bases(package: Any) -> tuple[type, ...]:
-    """The optimizer base classes of a Keras package: tf_keras also has its legacy
-    (``OptimizerV2``) optimizers, whose ``apply_gradients`` the tf_keras wrapper takes too."""
-    legacy = getattr(getattr(package.optimizers, "legacy", None), "Optimizer", None)
-    return (package.optimizers.Optimizer,) + ((legacy,) if isinstance(legacy, type) else ())
-
-
 def _check_optimizer(optimizer: Any, argument: str) -> Any:
     """The Keras package of ``optimizer``, a Keras optimizer not wrapped yet."""
     package = keras_of(optimizer)
     if package is None:  # a class of the user's own (defined in their module)
-        package = next((k for k in loaded_kerases() if isinstance(optimizer, _optimizer_bases(k))), None)
-    if package is None or not isinstance(optimizer, _optimizer_bases(package)):
+        package = next((k for k in loaded_kerases() if isinstance(optimizer, optimizer_bases(k))), None)
+    if package is None or not isinstance(optimizer, optimizer_bases(package)):
         raise ConfigError(f"`{argument}` must be a Keras optimizer (Keras 3 or tf_keras). "
                           f"Received: {argument}={optimizer!r}")
     if is_wrapped(optimizer):

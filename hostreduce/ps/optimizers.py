@@ -41,6 +41,23 @@ def _number(name: str, value: Any, *, low: float = 0.0, high: float | None = Non
     return float(value)
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"`{name}` must be a bool. Received: {name}={value!r}")
+    return value
+
+
+def _root(x: np.ndarray, epsilon: Any, outside: bool) -> np.ndarray:
+    """A new array: ``sqrt(x + epsilon)``, or ``sqrt(x) + epsilon`` when ``outside``."""
+    if outside:
+        out = np.sqrt(x)
+        out += epsilon
+        return out
+    out = x + epsilon
+    np.sqrt(out, out=out)
+    return out
+
+
 class HostOptimizer:
     """Base: a subclass names its slots, initialises them and implements ``_dense``
     (every array of the same shape). ``apply_rows`` gathers, applies, scatters."""
@@ -175,16 +192,18 @@ class Adam(HostOptimizer):
 
 
 class Adagrad(HostOptimizer):
-    """``keras.optimizers.Adagrad``: ``acc += g^2; var -= lr * g / sqrt(acc + epsilon)``."""
+    """``keras.optimizers.Adagrad``: ``acc += g^2; var -= lr * g / sqrt(acc + epsilon)``
+    (``epsilon_outside``: ``/ (sqrt(acc) + epsilon)``, tf_keras's legacy Adagrad)."""
 
     name = "adagrad"
     slots = ("accumulator",)
 
     def __init__(self, learning_rate: float = 0.001, initial_accumulator_value: float = 0.1,
-                 epsilon: float = 1e-7, sparse: str = "keras") -> None:
+                 epsilon: float = 1e-7, sparse: str = "keras", epsilon_outside: bool = False) -> None:
         super().__init__(learning_rate, sparse)
         self.initial_accumulator_value = _number("initial_accumulator_value", initial_accumulator_value)
         self.epsilon = _number("epsilon", epsilon)
+        self.epsilon_outside = _flag("epsilon_outside", epsilon_outside)
 
     def init_slots(self, value: np.ndarray) -> dict[str, np.ndarray]:
         return {"accumulator": np.full_like(value, self.initial_accumulator_value)}
@@ -196,34 +215,34 @@ class Adagrad(HostOptimizer):
         t = value.dtype.type
         acc = slots["accumulator"]
         acc += np.square(g)
-        den = acc + t(self.epsilon)
-        np.sqrt(den, out=den)
+        den = _root(acc, t(self.epsilon), self.epsilon_outside)
         num = g * t(self.learning_rate)
         num /= den
         value -= num
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "initial_accumulator_value": self.initial_accumulator_value,
-                "epsilon": self.epsilon}
+                "epsilon": self.epsilon, "epsilon_outside": self.epsilon_outside}
 
 
 class RMSprop(HostOptimizer):
     """``keras.optimizers.RMSprop``: ``v = rho * v + (1 - rho) * g^2``; centered, also
     ``a = rho * a + (1 - rho) * g`` and ``den = v - a^2 + epsilon``, else ``den = v +
     epsilon``; ``inc = lr * g / sqrt(den)``; with momentum ``m = momentum * m + inc; var -=
-    m``, else ``var -= inc``."""
+    m``, else ``var -= inc``. ``epsilon_outside``: ``sqrt(den - epsilon) + epsilon``
+    instead (tf_keras's legacy RMSprop without momentum)."""
 
     name = "rmsprop"
 
     def __init__(self, learning_rate: float = 0.001, rho: float = 0.9, momentum: float = 0.0,
-                 epsilon: float = 1e-7, centered: bool = False, sparse: str = "keras") -> None:
+                 epsilon: float = 1e-7, centered: bool = False, sparse: str = "keras",
+                 epsilon_outside: bool = False) -> None:
         super().__init__(learning_rate, sparse)
         self.rho = _number("rho", rho, high=1.0)
         self.momentum = _number("momentum", momentum, high=1.0)
         self.epsilon = _number("epsilon", epsilon)
-        if not isinstance(centered, bool):
-            raise ConfigError(f"`centered` must be a bool. Received: centered={centered!r}")
-        self.centered = centered
+        self.centered = _flag("centered", centered)
+        self.epsilon_outside = _flag("epsilon_outside", epsilon_outside)
         self.slots = ("velocity",) + (("momentum",) if self.momentum else ()) + (("average_gradient",)
                                                                                  if centered else ())
 
@@ -236,11 +255,9 @@ class RMSprop(HostOptimizer):
             a = slots["average_gradient"]
             a *= rho
             a += g * t(1 - self.rho)
-            den = v - np.square(a)
-            den += t(self.epsilon)
+            den = _root(v - np.square(a), t(self.epsilon), self.epsilon_outside)
         else:
-            den = v + t(self.epsilon)
-        np.sqrt(den, out=den)
+            den = _root(v, t(self.epsilon), self.epsilon_outside)
         inc = g * t(self.learning_rate)
         inc /= den
         if self.momentum:
@@ -253,7 +270,7 @@ class RMSprop(HostOptimizer):
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "rho": self.rho, "momentum": self.momentum, "epsilon": self.epsilon,
-                "centered": self.centered}
+                "centered": self.centered, "epsilon_outside": self.epsilon_outside}
 
 
 _BY_NAME: dict[str, type[HostOptimizer]] = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "rmsprop": RMSprop}
@@ -273,7 +290,8 @@ def from_config(config: Mapping[str, Any]) -> HostOptimizer:
 
 # Keras settings this module implements only at their defaults.
 _KERAS_DEFAULTS = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
-                   "use_ema": False, "amsgrad": False, "loss_scale_factor": None, "gradient_accumulation_steps": None}
+                   "use_ema": False, "amsgrad": False, "loss_scale_factor": None, "gradient_accumulation_steps": None,
+                   "decay": 0.0}  # tf_keras's legacy optimizers: a learning-rate decay
 _KERAS_KEYS = {"sgd": ("learning_rate", "momentum", "nesterov"),
                "adam": ("learning_rate", "beta_1", "beta_2", "epsilon"),
                "adagrad": ("learning_rate", "initial_accumulator_value", "epsilon"),
@@ -282,7 +300,9 @@ _KERAS_KEYS = {"sgd": ("learning_rate", "momentum", "nesterov"),
 
 def from_keras(optimizer: Any, *, sparse: str = "keras") -> HostOptimizer:
     """The host optimizer equal to a Keras 3 SGD, Adam, Adagrad or RMSprop (constant
-    learning rate)."""
+    learning rate); tf_keras's, legacy ones too, have the same arithmetic (but legacy
+    Adagrad's epsilon, added after the square root there: a difference of about
+    ``epsilon / sqrt(accumulator)`` relative)."""
     config = optimizer.get_config()
     name = type(optimizer).__name__.lower()
     if name not in _KERAS_KEYS:
@@ -292,7 +312,16 @@ def from_keras(optimizer: Any, *, sparse: str = "keras") -> HostOptimizer:
         if config.get(key, default) not in (default, 0, 0.0) or (key == "amsgrad" and config.get(key)):
             raise ConfigError(f"`optimizer` setting {key}={config[key]!r} is not supported on parameter servers "
                               f"(only {default!r}). Received: {type(optimizer).__name__}")
-    if not isinstance(config.get("learning_rate"), (int, float)):
+    if not isinstance(config.get("learning_rate"), (int, float, np.floating)) or isinstance(config["learning_rate"], bool):
         raise ConfigError("`optimizer` must have a constant learning rate on parameter servers. "
                           f"Received: learning_rate={config.get('learning_rate')!r}")
-    return from_config({"name": name, "sparse": sparse, **{k: config[k] for k in _KERAS_KEYS[name]}})
+    settings: dict[str, Any] = {k: config[k] for k in _KERAS_KEYS[name]}
+    if ".optimizers.legacy." in type(optimizer).__module__:
+        # tf_keras's legacy (OptimizerV2) kernels: Adagrad, and RMSprop without momentum,
+        # add epsilon after the square root; SGD and RMSprop with momentum update only an
+        # embedding's looked-up rows, which is what "lazy" does.
+        if name == "adagrad" or (name == "rmsprop" and not settings["momentum"]):
+            settings["epsilon_outside"] = True
+        if sparse == "keras" and name in ("sgd", "rmsprop") and settings["momentum"]:
+            sparse = "lazy"
+    return from_config({"name": name, "sparse": sparse, **settings})

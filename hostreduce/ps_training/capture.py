@@ -118,17 +118,18 @@ def _tf1_config(optimizer: Any) -> dict[str, Any] | None:
 
 def host_optimizer_config(optimizers: list[Any], sparse: str = "keras") -> dict[str, Any]:
     """The ``hostreduce.ps`` optimizer config equal to ``optimizers`` (all must agree):
-    Keras 3 SGD, Adam, Adagrad, RMSprop; TF1 GradientDescent, Momentum, Adam, Adagrad."""
+    Keras 3 and tf_keras SGD, Adam, Adagrad, RMSprop; TF1 GradientDescent, Momentum, Adam,
+    Adagrad."""
     from ..ps.optimizers import from_config, from_keras
 
     configs = []
     for optimizer in optimizers:
-        if keras_of(optimizer) is not None and keras_of(optimizer).__name__ == "keras":
+        if keras_of(optimizer) is not None:
             configs.append(from_keras(optimizer, sparse=sparse).get_config())
             continue
         config = _tf1_config(optimizer)
         if config is None:
-            raise ConfigError("The optimizer of `host_call` must be a Keras 3 SGD, Adam, Adagrad or RMSprop or a TF1 "
+            raise ConfigError("The optimizer of `host_call` must be a Keras SGD, Adam, Adagrad or RMSprop or a TF1 "
                               "GradientDescent, Momentum, Adam or Adagrad optimizer on parameter servers. "
                               f"Received: {type(optimizer).__module__}.{type(optimizer).__name__}")
         configs.append(from_config({**config, "sparse": sparse}).get_config())

@@ -1,12 +1,13 @@
-"""Keras 3 ``fit`` (and custom loops calling ``apply_gradients``) with the variables and
-the optimizer's state on parameter servers: ``ParameterServerStrategy.keras_optimizer``
-and ``ParameterServerStrategy.scope``.
+"""Keras ``fit`` (Keras 3 and tf_keras; and custom loops calling ``apply_gradients``)
+with the variables and the optimizer's state on parameter servers:
+``ParameterServerStrategy.keras_optimizer`` and ``ParameterServerStrategy.scope``.
 
 The optimizer ``keras_optimizer`` returns is of the user's class (a subclass made once
 per class, with the same name and module) with no state of its own on the worker: its
-``build`` connects the job instead of creating slots (the chief registers the model's
-trainable variables and this optimizer's configuration on the ps, every worker starts
-from the ps's values), and its ``apply`` puts one host op into the traced train step
+``build`` (tf_keras: its first ``apply_gradients``) connects the job instead of creating
+slots (the chief registers the model's trainable variables and this optimizer's
+configuration on the ps, every worker starts from the ps's values), and its ``apply``
+(tf_keras: ``apply_gradients``) puts one host op into the traced train step
 that pushes the step's gradients (an embedding's as rows) and pulls back the variables
 as the ps hold them after applying; the variables take those values. Sync mode: the ps
 average the workers' gradients of the step and apply once, as for the Estimator, so the
@@ -17,7 +18,8 @@ row cache (``hostreduce/ps_training/rowcache.py``) instead of a full variable: i
 first runs a host op that pulls the looked-up rows into the cache, the gradient's cache
 slots go back to the ps as global row ids, and only the chief ever computes the table's
 initial value. Every other variable travels whole each step, as TensorFlow's own
-``ParameterServerStrategy`` reads its dense variables.
+``ParameterServerStrategy`` reads its dense variables. A Keras optimizer made in the
+scope becomes such an optimizer in place when the block ends.
 """
 from __future__ import annotations
 
@@ -140,43 +142,70 @@ class _PSUpdate:
         self.built = True
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        import tensorflow as tf
-
-        from ..host.kerases import check_not_xla
-
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         if not self.built:
             self.build(variables)
-        check_not_xla()
-        _check_one_lookup(variables)
-        for g, v in zip(grads, variables):
-            cache = _cache(v)
-            if cache is not None and g is not None and not isinstance(g, tf.IndexedSlices):
-                raise SpecError(
-                    f"Variable {v.path!r} of shape {list(cache.full_shape)} is split by rows over the parameter "
-                    f"servers (it has at least shard_bytes={self._hostreduce_exchange.strategy.shard_bytes} bytes), "
-                    "so a worker holds only the rows it looks up (Embedding layers, ops.take); it is read whole "
-                    "here. Raise `shard_bytes` of ParameterServerStrategy to keep it whole, or build it outside "
-                    "`strategy.scope()`")
-        kinds: list[str | None] = []
-        flat: list[Any] = []
-        for g in grads:
-            if g is None:
-                kinds.append(None)
-            elif isinstance(g, tf.IndexedSlices):
-                kinds.append("rows")
-                flat += [g.indices, g.values]
-            else:
-                kinds.append("dense")
-                flat.append(g)
+        return _exchange_step(self, grads, variables)
+
+
+class _PSApplyGradients:
+    """Methods of the subclass made for a tf_keras optimizer class (legacy ones too):
+    ``apply_gradients`` (what ``minimize`` and ``fit`` call) connects the job on its
+    first call and then exchanges with the ps; the optimizer makes no slots."""
+
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        import tensorflow as tf
+
+        pairs = list(grads_and_vars)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         exchange = self._hostreduce_exchange
-        dense = [v for v in variables if _cache(v) is None]
-        new = tf.py_function(lambda *t: exchange.exchange(kinds, t), flat,
-                             Tout=[tf.as_dtype(v.dtype) for v in dense], name="hostreduce_ps_exchange")
-        assigns = [v.assign(tf.ensure_shape(n, v.shape)) for v, n in zip(dense, new)]
-        with tf.control_dependencies([a for a in assigns if a is not None] or new):
-            return self.iterations.assign_add(1)
+        if not exchange.keys:
+            with tf.init_scope():  # eagerly, also when called while tracing the step
+                self.iterations  # noqa: B018 (a legacy optimizer makes it on first use)
+                exchange.connect(variables)
+        elif len(variables) != len(exchange.keys):
+            raise SpecError(f"This optimizer's variables live on the parameter servers since its first step, "
+                            f"{len(exchange.keys)} of them; apply_gradients got {len(variables)}")
+        return _exchange_step(self, grads, variables)
+
+
+def _exchange_step(optimizer: Any, grads: list[Any], variables: list[Any]) -> Any:
+    """One host op in the traced step that pushes ``grads`` (an embedding's as rows) and
+    assigns ``variables`` the values the ps hold after applying them."""
+    import tensorflow as tf
+
+    from ..host.kerases import check_not_xla
+
+    check_not_xla()
+    _check_one_lookup(variables)
+    for g, v in zip(grads, variables):
+        cache = _cache(v)
+        if cache is not None and g is not None and not isinstance(g, tf.IndexedSlices):
+            raise SpecError(
+                f"Variable {v.path!r} of shape {list(cache.full_shape)} is split by rows over the parameter "
+                f"servers (it has at least shard_bytes={optimizer._hostreduce_exchange.strategy.shard_bytes} bytes), "
+                "so a worker holds only the rows it looks up (Embedding layers, ops.take); it is read whole "
+                "here. Raise `shard_bytes` of ParameterServerStrategy to keep it whole, or build it outside "
+                "`strategy.scope()`")
+    kinds: list[str | None] = []
+    flat: list[Any] = []
+    for g in grads:
+        if g is None:
+            kinds.append(None)
+        elif isinstance(g, tf.IndexedSlices):
+            kinds.append("rows")
+            flat += [g.indices, g.values]
+        else:
+            kinds.append("dense")
+            flat.append(g)
+    exchange = optimizer._hostreduce_exchange
+    dense = [v for v in variables if _cache(v) is None]
+    new = tf.py_function(lambda *t: exchange.exchange(kinds, t), flat,
+                         Tout=[tf.as_dtype(v.dtype) for v in dense], name="hostreduce_ps_exchange")
+    assigns = [v.assign(tf.ensure_shape(n, v.shape)) for v, n in zip(dense, new)]
+    with tf.control_dependencies([a for a in assigns if a is not None] or new):
+        return optimizer.iterations.assign_add(1)
 
 
 def _check_one_lookup(variables: Sequence[Any]) -> None:
@@ -199,64 +228,68 @@ def _check_one_lookup(variables: Sequence[Any]) -> None:
 
 
 def keras_optimizer(strategy: Any, optimizer: Any) -> Any:
-    """``optimizer`` (a Keras 3 SGD, Adam, Adagrad or RMSprop, constant learning rate, not used
-    yet) with its variables and slots on ``strategy``'s parameter servers; on a ``ps``
-    task this serves until the chief ends the job, then exits 0."""
-    from ..host.kerases import optimizer_subclass
-
+    """``optimizer`` (a Keras 3 or tf_keras SGD, Adam, Adagrad or RMSprop, constant
+    learning rate, not used yet) with its variables and slots on ``strategy``'s parameter
+    servers; on a ``ps`` task this serves until the chief ends the job, then exits 0."""
     training_task(strategy, "an optimizer")
-    config = _checked_config(strategy, optimizer)
-    wrapped = optimizer_subclass(type(optimizer), _PSUpdate).from_config(optimizer.get_config())
+    config, methods = _checked(strategy, optimizer)
+    wrapped = _ps_class(optimizer, methods).from_config(optimizer.get_config())
     wrapped._hostreduce_exchange = _Exchange(strategy, config)
     return wrapped
 
 
-def _checked_config(strategy: Any, optimizer: Any) -> dict[str, Any]:
-    """The ps's configuration for ``optimizer``, a Keras 3 optimizer not used yet (a
-    ``ConfigError`` naming what the ps cannot apply otherwise)."""
-    from ..host.kerases import keras_of
+def _ps_class(optimizer: Any, methods: type) -> type:
+    from ..host.kerases import optimizer_subclass
+
+    return optimizer_subclass(type(optimizer), methods)
+
+
+def _checked(strategy: Any, optimizer: Any) -> tuple[dict[str, Any], type]:
+    """The ps's configuration for ``optimizer``, a Keras optimizer not used yet, and the
+    methods its class gets (a ``ConfigError`` naming what the ps cannot apply otherwise)."""
+    from ..host.kerases import keras_of, optimizer_bases
     from .capture import host_optimizer_config
 
     package = keras_of(optimizer)
-    if package is None or package.__name__ != "keras" or not isinstance(optimizer, package.optimizers.Optimizer):
-        raise ConfigError(f"`optimizer` must be a Keras 3 optimizer (SGD, Adam, Adagrad or RMSprop). Received: "
-                          f"optimizer={optimizer!r}")
-    if getattr(optimizer, "built", False):
+    if package is None or not isinstance(optimizer, optimizer_bases(package)):
+        raise ConfigError(f"`optimizer` must be a Keras optimizer (SGD, Adam, Adagrad or RMSprop of Keras 3 or "
+                          f"tf_keras). Received: optimizer={optimizer!r}")
+    if getattr(optimizer, "built", False) or getattr(optimizer, "_built", False) or getattr(optimizer, "_slots", None):
         raise ConfigError("`optimizer` must not have been used yet: wrap it before training (its state would be "
                           f"lost). Received: an optimizer at iteration {int(optimizer.iterations.numpy())}")
-    return host_optimizer_config([optimizer], strategy.sparse)
+    return host_optimizer_config([optimizer], strategy.sparse), _PSUpdate if package.__name__ == "keras" else \
+        _PSApplyGradients
 
 
 def _adopt(strategy: Any, optimizer: Any) -> None:
     """Turn ``optimizer`` (made in ``strategy.scope()``) into one whose variables and
     slots live on the ps, in place: the object the script holds is the one that trains."""
-    from ..host.kerases import optimizer_subclass
-
-    config = _checked_config(strategy, optimizer)
-    optimizer.__class__ = optimizer_subclass(type(optimizer), _PSUpdate)
+    config, methods = _checked(strategy, optimizer)
+    optimizer.__class__ = _ps_class(optimizer, methods)
     optimizer._hostreduce_exchange = _Exchange(strategy, config)
 
 
 @contextlib.contextmanager
 def variable_scope(strategy: Any) -> Iterator[None]:
-    """Variables created in this block (a Keras 3 model) as the ps will hold them: each
+    """Variables created in this block (a Keras model) as the ps will hold them: each
     table the ps split by rows as a row cache of the batch's rows (never whole on a
     worker, its initial value computed only by the chief)."""
     from ..host.variables import VariableStore
 
     store = VariableStore(on_host=True)
-    shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes)
-    made: list[Any] = []  # Keras 3 optimizers made in the block
-    with store.scope(), _optimizers_made(made), _compiled_for(strategy, made):
+    # Lookups traced in the block too (``fit`` inside it) pull their rows first.
+    shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes,
+                 fill=lambda cache, ids: _connected(strategy).fill(cache, ids))
+    made: list[Any] = []  # Keras optimizers made in the block
+    with store.scope(), _optimizers_made(made), _compiled_for(strategy, made), _take_rows():
         yield
-    made = [o for o in made if not hasattr(o, "_hostreduce_exchange")]
+    made = [o for i, o in enumerate(made) if not hasattr(o, "_hostreduce_exchange")
+            and not any(p is o for p in made[:i])]
     if made:  # a custom loop's optimizer: it applies on the ps (a ps task serves here)
         training_task(strategy, "an optimizer made in strategy.scope()")
         for optimizer in made:
             _adopt(strategy, optimizer)
     caches = row_caches(store)
-    for cache in caches.values():  # traced before the optimizer connects the job
-        cache.step_fill = lambda ids, cache=cache: _connected(strategy).fill(cache, ids)
     state = _state(strategy)
     if caches and state.lookups is None:
         # Lookups in the train step, traced later, must read the caches' rows (Keras 3's
@@ -270,68 +303,71 @@ _LEGACY = ("SGD", "Adam", "Adagrad", "RMSprop")
 
 @contextlib.contextmanager
 def _optimizers_made(made: list[Any]) -> Iterator[None]:
-    """Collect in ``made`` the Keras 3 optimizers constructed in this block; there
-    ``tf.keras.optimizers.legacy.SGD``, ``Adam``, ``Adagrad`` and ``RMSprop`` (which
-    Keras 3 refuses to construct) make their Keras 3 classes, as TensorFlow's
-    parameter-server tutorial writes them."""
+    """Collect in ``made`` the Keras optimizers constructed in this block (Keras 3's, and
+    tf_keras's where it is used); there Keras 3's ``tf.keras.optimizers.legacy.SGD``,
+    ``Adam``, ``Adagrad`` and ``RMSprop`` (which it refuses to construct) make its own
+    classes, as TensorFlow's parameter-server tutorial writes them."""
+    from ..host.keras_files import tf_keras_wanted
     from ..host.patch import routed
-
-    try:
-        import keras
-    except ImportError:
-        yield
-        return
 
     def init(original: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         original(optimizer, *args, **kwargs)
         made.append(optimizer)
 
-    def keras3(name: str) -> Any:
-        return lambda original, *args, **kwargs: getattr(keras.optimizers, name)(*args, **kwargs)
-
-    legacy = getattr(keras.optimizers, "legacy", None)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(routed(keras.optimizers.Optimizer, "__init__", init))
-        for name in _LEGACY if legacy is not None else ():
-            if isinstance(getattr(legacy, name, None), type):
-                stack.enter_context(routed(legacy, name, keras3(name)))
+        try:
+            import keras
+        except ImportError:
+            keras = None
+        if keras is not None:
+            stack.enter_context(routed(keras.optimizers.Optimizer, "__init__", init))
+            legacy = getattr(keras.optimizers, "legacy", None)
+            for name in _LEGACY if legacy is not None else ():
+                if isinstance(getattr(legacy, name, None), type):
+                    made_by = (lambda name: lambda original, *a, **k: getattr(keras.optimizers, name)(*a, **k))(name)
+                    stack.enter_context(routed(legacy, name, made_by))
+        if tf_keras_wanted():
+            from ..host.kerases import optimizer_bases
+
+            try:
+                import tf_keras
+            except ImportError:
+                tf_keras = None
+            for base in optimizer_bases(tf_keras) if tf_keras is not None else ():
+                stack.enter_context(routed(base, "__init__", init))
         yield
 
 
 @contextlib.contextmanager
 def _compiled_for(strategy: Any, made: list[Any]) -> Iterator[None]:
-    """``model.compile(optimizer, ...)`` in the block, as TensorFlow's
-    ``ParameterServerStrategy`` scripts write it: the optimizer becomes
+    """``model.compile(optimizer, ...)`` in the block (Keras 3 or tf_keras), as
+    TensorFlow's ``ParameterServerStrategy`` scripts write it: the optimizer becomes
     ``strategy.keras_optimizer(optimizer)``, or, made in the block, trains on the ps
-    itself (on a ps task: serve until the chief ends the job), and ``jit_compile="auto"`` becomes False (the step's host op is not XLA's).
-    A tf_keras model compiled here is refused: its updates would stay on the worker."""
+    itself (on a ps task: serve until the chief ends the job); Keras 3's
+    ``jit_compile="auto"`` becomes False (the step's host op is not XLA's)."""
+    import importlib
+
     from ..host.keras_files import model_classes
     from ..host.patch import routed
 
-    def keras3_compile(original: Any, model: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
-        import keras
-
+    def compile(original: Any, model: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
+        package = type(model).__module__.split(".", 1)[0]
+        package = "tf_keras" if package == "tf_keras" else "keras"
         if not hasattr(optimizer, "_hostreduce_exchange"):
-            optimizer = keras.optimizers.get(optimizer)
+            optimizer = importlib.import_module(package).optimizers.get(optimizer)
             if any(o is optimizer for o in made):  # made in the scope: it trains in place
                 training_task(strategy, "model.compile")
                 _adopt(strategy, optimizer)
             else:
                 optimizer = keras_optimizer(strategy, optimizer)
-        if kwargs.get("jit_compile", "auto") == "auto" and len(args) < 7:
+        if package == "keras" and kwargs.get("jit_compile", "auto") == "auto" and len(args) < 7:
             kwargs["jit_compile"] = False
         _files_from_the_chief(strategy, model)
         return original(model, optimizer, *args, **kwargs)
 
-    def tf_keras_compile(original: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError("hostreduce.ParameterServerStrategy trains Keras 3 models (their optimizer's state lives on "
-                          "the ps); this model is a tf_keras one (TF_USE_LEGACY_KERAS=1). Run the script on Keras 3, "
-                          "or train through the Estimator. Received: a tf_keras model compiled in strategy.scope()")
-
     with contextlib.ExitStack() as stack:
         for owner in model_classes():  # Kerases imported inside the block too
-            legacy = owner.__module__.split(".", 1)[0] == "tf_keras"
-            stack.enter_context(routed(owner, "compile", tf_keras_compile if legacy else keras3_compile))
+            stack.enter_context(routed(owner, "compile", compile))
         yield
 
 
@@ -347,7 +383,8 @@ def _files_from_the_chief(strategy: Any, model: Any) -> None:
             if strategy.sync and strategy.size > 1:  # sync jobs' training tasks form a ring
                 strategy.reducer.barrier(strategy.timeout_s)
 
-        state.callbacks = keras_files.install(lambda m: m in state.models, lambda: bool(strategy.is_chief), barrier)
+        state.callbacks = keras_files.install(lambda m: m in state.models, lambda: bool(strategy.is_chief), barrier,
+                                              tf_keras_chief_only=True)
 
 
 @contextlib.contextmanager

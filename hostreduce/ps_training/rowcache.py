@@ -158,8 +158,8 @@ class RowCacheFactory:
     (``shard_bytes``, see ``hostreduce.ps.placement``) as a row cache (a
     :class:`~hostreduce.host.variables.VariableFactory`)."""
 
-    def __init__(self, num_ps: int, shard_bytes: int) -> None:
-        self.num_ps, self.shard_bytes = num_ps, shard_bytes
+    def __init__(self, num_ps: int, shard_bytes: int, fill: Callable[[Any, Any], Any] | None = None) -> None:
+        self.num_ps, self.shard_bytes, self.fill = num_ps, shard_bytes, fill
 
     def scope(self) -> ContextManager[None]:
         return deferred_keras_init()
@@ -181,12 +181,17 @@ class RowCacheFactory:
         # A callable initial value (Keras's Deferred, tf_keras's and tf.compat.v1's
         # initializers) is computed later, on the chief only.
         cache = row_cache(tuple(shape.as_list()), dtype.base_dtype, value, key.replace("/", "_"))
+        if self.fill is not None:
+            fill = self.fill
+            cache.step_fill = lambda ids: fill(cache, ids)
         return cache, [cache.keys]
 
 
-def shard_tables(store: VariableStore, num_ps: int, shard_bytes: int) -> None:
-    """Make ``store`` create the tables the ps shard by rows as row caches."""
-    store.set_factory(RowCacheFactory(num_ps, shard_bytes))
+def shard_tables(store: VariableStore, num_ps: int, shard_bytes: int,
+                 fill: Callable[[Any, Any], Any] | None = None) -> None:
+    """Make ``store`` create the tables the ps shard by rows as row caches; ``fill(cache,
+    ids)``, where given, becomes each cache's ``step_fill``."""
+    store.set_factory(RowCacheFactory(num_ps, shard_bytes, fill))
 
 
 def row_caches(store: VariableStore) -> dict[str, Any]:

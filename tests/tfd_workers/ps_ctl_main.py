@@ -15,7 +15,8 @@ and ``eval_step`` scheduled on a per-worker dataset). Changed:
   ``tf.distribute.ParameterServerStrategy(cluster_resolver, variable_partitioner=...)``;
 * the tutorial's check that TensorFlow's partitioner split the embedding in two: the
   table (8 rows, 512 KiB) is below hostreduce's ``shard_bytes`` (4 MiB), so it stays whole;
-* Keras 3 renames: ``tf.keras.ops.mean`` on the embedding's output (Keras 3 refuses a
+* on Keras 3 only (``KERAS3``; under ``TF_USE_LEGACY_KERAS=1`` the tutorial's own
+  lines run): ``tf.keras.ops.mean`` on the embedding's output (Keras 3 refuses a
   ``KerasTensor`` given to ``tf.reduce_mean``), a variable's ``value.device`` (a Keras 3
   variable has no ``device``), the preprocessing models mapped over batches, not
   examples (Keras 3's functional models take a batch), and the metric's
@@ -35,6 +36,8 @@ import tensorflow as tf
 
 import hostreduce
 from tests.hvd_workers.digest import report
+
+KERAS3 = os.environ.get("TF_USE_LEGACY_KERAS") != "1"
 
 # Set the environment variable to allow reporting worker and ps failure to the
 # coordinator. This is a workaround and won't be necessary in the future.
@@ -99,11 +102,18 @@ examples = feature_and_label_gen()
 def dataset_fn(_):
     raw_dataset = tf.data.Dataset.from_tensor_slices(examples)
 
-    train_dataset = raw_dataset.shuffle(200).batch(32).map(
+    if KERAS3:
+        train_dataset = raw_dataset.shuffle(200).batch(32).map(
+            lambda x: (
+                {"features": feature_preprocess_stage(x["features"])},
+                label_preprocess_stage(x["label"])
+            )).repeat()
+        return train_dataset
+    train_dataset = raw_dataset.map(
         lambda x: (
             {"features": feature_preprocess_stage(x["features"])},
             label_preprocess_stage(x["label"])
-        )).repeat()
+        )).shuffle(200).batch(32).repeat()
     return train_dataset
 
 
@@ -116,7 +126,10 @@ with strategy.scope():
 
     emb_layer = tf.keras.layers.Embedding(
         input_dim=len(feature_lookup_layer.get_vocabulary()), output_dim=16384)
-    emb_output = tf.keras.ops.mean(emb_layer(model_input), axis=1)
+    if KERAS3:
+        emb_output = tf.keras.ops.mean(emb_layer(model_input), axis=1)
+    else:
+        emb_output = tf.reduce_mean(emb_layer(model_input), axis=1)
     dense_output = tf.keras.layers.Dense(
         units=1, activation="sigmoid",
         kernel_regularizer=tf.keras.regularizers.L2(1e-4),
@@ -129,7 +142,7 @@ with strategy.scope():
 assert len(emb_layer.weights) == 1  # whole: below shard_bytes (the tutorial: 2 shards of 4 rows)
 assert emb_layer.weights[0].shape == (8, 16384)
 
-print(emb_layer.weights[0].value.device)
+print(emb_layer.weights[0].value.device if KERAS3 else emb_layer.weights[0].device)
 
 
 @tf.function
@@ -172,7 +185,7 @@ accuracies = []
 num_epochs = 4
 steps_per_epoch = 5
 for i in range(num_epochs):
-    accuracy.reset_state()
+    accuracy.reset_state() if KERAS3 else accuracy.reset_states()
     for _ in range(steps_per_epoch):
         coordinator.schedule(step_fn, args=(per_worker_iterator,))
     # Wait at epoch boundaries.
@@ -183,12 +196,20 @@ for i in range(num_epochs):
 loss = coordinator.schedule(step_fn, args=(per_worker_iterator,))
 print("Final loss is %f" % loss.fetch())
 
-eval_dataset = tf.data.Dataset.from_tensor_slices(
-    feature_and_label_gen(num_examples=16)).batch(8).map(
-        lambda x: (
-            {"features": feature_preprocess_stage(x["features"])},
-            label_preprocess_stage(x["label"])
-        ))
+if KERAS3:
+    eval_dataset = tf.data.Dataset.from_tensor_slices(
+        feature_and_label_gen(num_examples=16)).batch(8).map(
+            lambda x: (
+                {"features": feature_preprocess_stage(x["features"])},
+                label_preprocess_stage(x["label"])
+            ))
+else:
+    eval_dataset = tf.data.Dataset.from_tensor_slices(
+        feature_and_label_gen(num_examples=16)).map(
+            lambda x: (
+                {"features": feature_preprocess_stage(x["features"])},
+                label_preprocess_stage(x["label"])
+            )).batch(8)
 
 eval_accuracy = tf.keras.metrics.Accuracy()
 
@@ -215,12 +236,19 @@ def eval_step(iterator):
 
 
 def eval_dataset_fn():
+    if KERAS3:
+        return tf.data.Dataset.from_tensor_slices(
+            feature_and_label_gen(num_examples=16)).shuffle(16).repeat().batch(8).map(
+                lambda x: (
+                    {"features": feature_preprocess_stage(x["features"])},
+                    label_preprocess_stage(x["label"])
+                ))
     return tf.data.Dataset.from_tensor_slices(
-        feature_and_label_gen(num_examples=16)).shuffle(16).repeat().batch(8).map(
+        feature_and_label_gen(num_examples=16)).map(
             lambda x: (
                 {"features": feature_preprocess_stage(x["features"])},
                 label_preprocess_stage(x["label"])
-            ))
+            )).shuffle(16).repeat().batch(8)
 
 
 per_worker_eval_dataset = coordinator.create_per_worker_dataset(eval_dataset_fn)

@@ -10,7 +10,8 @@ too), ``fit`` with the tutorial's ``TensorBoard``, ``ModelCheckpoint`` and
   ``hostreduce.ParameterServerStrategy()`` for
   ``tf.distribute.ParameterServerStrategy(cluster_resolver, variable_partitioner=...)``
   (hostreduce splits variables of 4 MiB and more by rows on its own);
-* Keras 3 renames: a ``.keras`` name for ``ModelCheckpoint``'s file, an ``Input`` layer (Keras 3's
+* on Keras 3 only (``KERAS3``; under ``TF_USE_LEGACY_KERAS=1`` the tutorial's own lines
+  run): a ``.keras`` name for ``ModelCheckpoint``'s file, an ``Input`` layer (Keras 3's
   ``BackupAndRestore`` needs a built model) and labels of shape ``(10, 1)`` (Keras 3's
   ``mse`` does not broadcast ``(64,)`` against the model's ``(64, 10)``), and the data
   made equal on every task;
@@ -33,25 +34,32 @@ import hostreduce
 from tests.hvd_workers.digest import report
 
 EPOCHS, STEPS, working_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+KERAS3 = os.environ.get("TF_USE_LEGACY_KERAS") != "1"
 
 strategy = hostreduce.ParameterServerStrategy()
 
 global_batch_size = 64
 
 x = tf.random.stateless_uniform((10, 10), seed=(1, 2))  # equal on every task (the tutorial: tf.random.uniform)
-y = tf.random.stateless_uniform((10, 1), seed=(3, 4))  # Keras 3's mse does not broadcast (10,) against (10, 10)
+if KERAS3:
+    y = tf.random.stateless_uniform((10, 1), seed=(3, 4))  # Keras 3's mse does not broadcast (10,) against (10, 10)
+else:
+    y = tf.random.stateless_uniform((10,), seed=(3, 4))
 
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(10).repeat()
 dataset = dataset.batch(global_batch_size)
 dataset = dataset.prefetch(2)
 
 with strategy.scope():
-    model = tf.keras.models.Sequential([tf.keras.Input((10,)), tf.keras.layers.Dense(10)])
+    if KERAS3:
+        model = tf.keras.models.Sequential([tf.keras.Input((10,)), tf.keras.layers.Dense(10)])
+    else:
+        model = tf.keras.models.Sequential([tf.keras.layers.Dense(10)])
 
     model.compile(tf.keras.optimizers.legacy.SGD(), loss="mse", steps_per_execution=10)
 
 log_dir = os.path.join(working_dir, "log")
-ckpt_filepath = os.path.join(working_dir, "ckpt.keras")
+ckpt_filepath = os.path.join(working_dir, "ckpt.keras" if KERAS3 else "ckpt")
 backup_dir = os.path.join(working_dir, "backup")
 
 callbacks = [
