@@ -40,6 +40,11 @@ __all__ = [
 class HostReduceError(RuntimeError):
     """Base class of every error raised by hostreduce."""
 
+    # The same initializer RuntimeError has, named so that TensorFlow's AutoGraph, which
+    # re-raises an error from a converted function (tf_keras's train step) as its own
+    # type only when that type's __init__ is Exception's, keeps ours (else StagingError).
+    __init__ = Exception.__init__
+
 
 class ConfigError(HostReduceError, ValueError):
     """A configuration value, argument or environment variable is invalid."""

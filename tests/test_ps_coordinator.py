@@ -106,9 +106,11 @@ def test_the_surface_refuses_what_it_cannot_take_by_name(ps_strategy: Any) -> No
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with pytest.raises(ConfigError, match=r"`fn` must be a callable.*Received: fn=3"):
         coordinator.schedule(3)
-    with pytest.raises(ConfigError, match=r"`dataset_fn` must return a tf.data.Dataset. Received: a list"):
+    with pytest.raises(ConfigError, match=r"`dataset_fn` must return a tf.data.Dataset. Received: dataset_fn=.*, "
+                                          r"which returned a list"):
         coordinator.create_per_worker_dataset(lambda: [1, 2])
-    with pytest.raises(ConfigError, match=r"`reduce_op` must be tf.distribute.ReduceOp.SUM or MEAN"):
+    with pytest.raises(ConfigError, match=r"`reduce_op` must be tf.distribute.ReduceOp.SUM or MEAN. Received: "
+                                          r"reduce_op='MAX'"):
         strategy.reduce("MAX", tf.constant(1.0), axis=None)
     assert float(strategy.reduce(tf.distribute.ReduceOp.MEAN, tf.constant([1.0, 3.0]), axis=0)) == 2.0
     assert strategy.num_replicas_in_sync == 1 and strategy.experimental_local_results(5) == (5,)
@@ -134,8 +136,24 @@ def test_a_coordinator_on_an_evaluator_is_refused(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"],
                                                             "evaluator": ["127.0.0.1:3"]},
                                                 "task": {"type": "evaluator", "index": 0}}))
-    with pytest.raises(ClusterError, match=r"reached ClusterCoordinator\(strategy\). Received: task.type='evaluator'"):
-        tf.distribute.coordinator.ClusterCoordinator(hostreduce.ParameterServerStrategy())
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(hostreduce.ParameterServerStrategy())
+    with pytest.raises(ClusterError, match=r"reached ClusterCoordinator.schedule. Received: task.type='evaluator'"):
+        coordinator.schedule(tf.function(lambda: 1))
+
+
+def test_datasets_from_function_name_this_workers_input_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``input_context.input_pipeline_id`` is this worker's rank of
+    ``num_input_pipelines`` training tasks (TensorFlow's coordinator passes 0 of 1)."""
+    import hostreduce
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2",
+                                                                                                    "127.0.0.1:3"],
+                                                            "ps": ["127.0.0.1:4"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    contexts = []
+    strategy = hostreduce.ParameterServerStrategy()
+    assert strategy.distribute_datasets_from_function(lambda context: contexts.append(context) or 7) == 7
+    assert [(c.num_input_pipelines, c.input_pipeline_id, c.num_replicas_in_sync) for c in contexts] == [(3, 2, 1)]
 
 
 def test_legacy_optimizer_names_in_the_scope_make_keras3_optimizers_on_the_ps(ps_strategy: Any) -> None:

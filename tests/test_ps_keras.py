@@ -59,10 +59,12 @@ def test_async_fit_runs_to_its_end(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("legacy", [pytest.param("0", id="keras3"), pytest.param("1", id="tf_keras")])
 def test_fit_inside_the_scope_with_a_legacy_optimizer_equals_one_process(legacy: str) -> None:
-    """Built, compiled (``tf.keras.optimizers.legacy.Adam``, ``SGD`` with momentum) and
-    trained inside ``strategy.scope()``, a model whose table is a row cache trains as the
-    same Keras does in one process (tf_keras: its legacy kernels, momentum updating only
-    the looked-up rows), within 1e-5."""
+    """Built (and called on a sample batch), compiled (``tf.keras.optimizers.legacy.Adam``,
+    ``SGD`` with momentum; a model subclassed in the script with ``"sgd"``) and trained
+    inside ``strategy.scope()``, a model whose table is a row cache trains as the same
+    Keras does in one process (tf_keras: its legacy kernels, momentum updating only the
+    looked-up rows), within 1e-5; a table looked up twice in a step is refused with a
+    ``SpecError`` naming it, on tf_keras too."""
     import json
     import subprocess
     import sys
@@ -71,8 +73,11 @@ def test_fit_inside_the_scope_with_a_legacy_optimizer_equals_one_process(legacy:
     done = subprocess.run([sys.executable, str(script)], env=base_env(TF_USE_LEGACY_KERAS=legacy),
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    errors = json.loads(done.stdout.split("ERRORS", 1)[1])
-    assert sorted(errors) == ["Adam", "SGD momentum"] and max(errors.values()) <= 1e-5, errors
+    errors = json.loads(done.stdout.split("ERRORS", 1)[1].splitlines()[0])
+    assert sorted(errors) == ["Adam", "SGD momentum", "subclassed, 'sgd'"] and max(errors.values()) <= 1e-5, errors
+    refused = done.stdout.split("REFUSED", 1)[1]
+    assert "SpecError: The table 'twice" in refused or refused.lstrip().startswith("The table 'twice"), refused
+    assert "is looked up 2 times in one training step" in refused, refused
 
 
 @pytest.mark.timeout(120)

@@ -58,9 +58,11 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
 
 def optimizer_bases(package: Any) -> tuple[type, ...]:
     """The optimizer base classes of a Keras package: tf_keras also has its legacy
-    (``OptimizerV2``) optimizers."""
+    (``OptimizerV2``) optimizers (Keras 3's ``optimizers.legacy`` names a class that
+    refuses to be made)."""
     legacy = getattr(getattr(package.optimizers, "legacy", None), "Optimizer", None)
-    return (package.optimizers.Optimizer,) + ((legacy,) if isinstance(legacy, type) else ())
+    real = isinstance(legacy, type) and hasattr(legacy, "apply_gradients")
+    return (package.optimizers.Optimizer,) + ((legacy,) if real else ())
 
 
 _subclasses: dict[tuple[type, type], type] = {}

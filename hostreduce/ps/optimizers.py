@@ -299,10 +299,9 @@ _KERAS_KEYS = {"sgd": ("learning_rate", "momentum", "nesterov"),
 
 
 def from_keras(optimizer: Any, *, sparse: str = "keras") -> HostOptimizer:
-    """The host optimizer equal to a Keras 3 SGD, Adam, Adagrad or RMSprop (constant
-    learning rate); tf_keras's, legacy ones too, have the same arithmetic (but legacy
-    Adagrad's epsilon, added after the square root there: a difference of about
-    ``epsilon / sqrt(accumulator)`` relative)."""
+    """The host optimizer equal to a Keras 3 or tf_keras SGD, Adam, Adagrad or RMSprop
+    (constant learning rate), legacy tf_keras ones with their kernels' arithmetic (see
+    below)."""
     config = optimizer.get_config()
     name = type(optimizer).__name__.lower()
     if name not in _KERAS_KEYS:

@@ -14,7 +14,7 @@ import contextlib
 from typing import Any, Callable
 
 from ..errors import ConfigError, SpecError
-from ..host.kerases import keras_of, loaded_kerases
+from ..host.kerases import keras_of, loaded_kerases, optimizer_bases
 from ..host.patch import routed
 
 __all__ = ["Updates", "capture_updates", "host_optimizer_config"]
@@ -64,7 +64,8 @@ def capture_updates(fn: Callable[..., Any], count: int) -> Updates:
 
     with contextlib.ExitStack() as stack:
         for package in loaded_kerases():
-            stack.enter_context(routed(package.optimizers.Optimizer, "apply_gradients", record))
+            for base in optimizer_bases(package):  # tf_keras's legacy optimizers too
+                stack.enter_context(routed(base, "apply_gradients", record))
         stack.enter_context(routed(tf.compat.v1.train.Optimizer, "apply_gradients", record))
         try:
             fn(*[_Stand(i) for i in range(count)])

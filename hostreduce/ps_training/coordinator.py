@@ -16,6 +16,8 @@ is lost (in sync mode the step fails on every worker, naming the lost one).
 ``tf.distribute.coordinator.ClusterCoordinator(strategy)`` (the tutorials' line) returns
 this strategy's coordinator: TensorFlow's constructor returns the object the strategy
 keeps as its ``_cluster_coordinator``, and runs its own set-up only for its own class.
+Making it does nothing else (reading that attribute serves nobody); a ps task serves at
+its first ``schedule`` or ``create_per_worker_dataset``.
 Importing this module does not import TensorFlow.
 """
 from __future__ import annotations
@@ -60,18 +62,25 @@ class ClusterCoordinator:
     """``tf.distribute.coordinator.ClusterCoordinator`` for
     ``hostreduce.ParameterServerStrategy``: each training task runs what it schedules,
     at once, on its own data (see the module's docstring for how that maps onto
-    TensorFlow's single-client model). Made on a ``ps`` task it serves until the chief
-    ends the job, then ends the process (status 0)."""
+    TensorFlow's single-client model). On a ``ps`` task, its first ``schedule`` or
+    ``create_per_worker_dataset`` serves until the chief ends the job, then ends the
+    process (status 0)."""
 
     def __init__(self, strategy: Any) -> None:
         from ..errors import ConfigError
-        from .roles import training_task
 
         if not getattr(strategy, "parameter_servers", False):
             raise ConfigError("`strategy` must be a hostreduce.ParameterServerStrategy. Received: "
                               f"strategy={strategy!r}")
         self._strategy = strategy
-        training_task(strategy, "ClusterCoordinator(strategy)")
+        self._checked = False
+
+    def _on_a_training_task(self, what: str) -> None:
+        if not self._checked:
+            from .roles import training_task
+
+            training_task(self._strategy, what)
+            self._checked = True
 
     @property
     def strategy(self) -> Any:
@@ -79,6 +88,7 @@ class ClusterCoordinator:
 
     def schedule(self, fn: Callable[..., Any], args: Any = None, kwargs: Any = None) -> RemoteValue:
         """Run ``fn(*args, **kwargs)`` on this worker now; its error is raised here."""
+        self._on_a_training_task("ClusterCoordinator.schedule")
         if not callable(fn):
             from ..errors import ConfigError
 
@@ -104,6 +114,7 @@ class ClusterCoordinator:
         given as is."""
         import tensorflow as tf
 
+        self._on_a_training_task("ClusterCoordinator.create_per_worker_dataset")
         if isinstance(dataset_fn, tf.data.Dataset):
             return PerWorkerDataset(dataset_fn)
         if not callable(dataset_fn):
@@ -115,8 +126,8 @@ class ClusterCoordinator:
         if not isinstance(dataset, tf.data.Dataset):
             from ..errors import ConfigError
 
-            raise ConfigError("`dataset_fn` must return a tf.data.Dataset. Received: a "
-                              f"{type(dataset).__name__}")
+            raise ConfigError(f"`dataset_fn` must return a tf.data.Dataset. Received: dataset_fn={dataset_fn!r}, "
+                              f"which returned a {type(dataset).__name__}")
         return PerWorkerDataset(dataset)
 
 
@@ -156,7 +167,8 @@ class ParameterServerSurface:
 
         op = getattr(reduce_op, "value", reduce_op)
         if str(op).upper() not in ("SUM", "MEAN"):
-            raise ConfigError(f"`reduce_op` must be tf.distribute.ReduceOp.SUM or MEAN. Received: {reduce_op!r}")
+            raise ConfigError(f"`reduce_op` must be tf.distribute.ReduceOp.SUM or MEAN. Received: "
+                              f"reduce_op={reduce_op!r}")
         if axis is None:
             return value
         reduce = tf.reduce_sum if str(op).upper() == "SUM" else tf.reduce_mean

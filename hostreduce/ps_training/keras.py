@@ -59,6 +59,11 @@ def _state(strategy: Any) -> _StrategyState:
     return state
 
 
+def _name(variable: Any) -> str:
+    """A variable's Keras 3 path, else its name (tf_keras, TensorFlow)."""
+    return getattr(variable, "path", None) or variable.name
+
+
 def _cache(variable: Any) -> Any:
     value = getattr(variable, "_value", variable)
     return value if is_row_cache(value) else None
@@ -78,7 +83,7 @@ class _Exchange:
         """Register ``variables`` (the chief) and give them the ps's values (all); a
         row cache is filled by its lookups."""
         strategy = self.strategy
-        self.keys = [f"{i}:{getattr(v, 'path', None) or v.name}" for i, v in enumerate(variables)]
+        self.keys = [f"{i}:{_name(v)}" for i, v in enumerate(variables)]
         self.caches = {k: c for k, c in ((k, _cache(v)) for k, v in zip(self.keys, variables)) if c is not None}
         self._key_of = {id(c): k for k, c in self.caches.items()}
         client = strategy.job.client
@@ -165,8 +170,9 @@ class _PSApplyGradients:
                 self.iterations  # noqa: B018 (a legacy optimizer makes it on first use)
                 exchange.connect(variables)
         elif len(variables) != len(exchange.keys):
-            raise SpecError(f"This optimizer's variables live on the parameter servers since its first step, "
-                            f"{len(exchange.keys)} of them; apply_gradients got {len(variables)}")
+            raise SpecError(f"`grads_and_vars` must name the variables this optimizer trains on the parameter servers "
+                            f"since its first step ({len(exchange.keys)} of them). Received: {len(variables)} "
+                            "variables")
         return _exchange_step(self, grads, variables)
 
 
@@ -183,7 +189,7 @@ def _exchange_step(optimizer: Any, grads: list[Any], variables: list[Any]) -> An
         cache = _cache(v)
         if cache is not None and g is not None and not isinstance(g, tf.IndexedSlices):
             raise SpecError(
-                f"Variable {v.path!r} of shape {list(cache.full_shape)} is split by rows over the parameter "
+                f"Variable {_name(v)!r} of shape {list(cache.full_shape)} is split by rows over the parameter "
                 f"servers (it has at least shard_bytes={optimizer._hostreduce_exchange.strategy.shard_bytes} bytes), "
                 "so a worker holds only the rows it looks up (Embedding layers, ops.take); it is read whole "
                 "here. Raise `shard_bytes` of ParameterServerStrategy to keep it whole, or build it outside "
@@ -221,7 +227,7 @@ def _check_one_lookup(variables: Sequence[Any]) -> None:
         here = [t for t in cache.looked_up if getattr(t, "graph", None) is graph]
         cache.looked_up = [t for t in cache.looked_up if getattr(t, "graph", None) is not graph]
         if len(here) > 1:
-            raise SpecError(f"The table {variable.path!r} (shape {list(cache.full_shape)}) is split by rows over the "
+            raise SpecError(f"The table {_name(variable)!r} (shape {list(cache.full_shape)}) is split by rows over the "
                             f"parameter servers and is looked up {len(here)} times in one training step; with Keras "
                             "`fit` it may be looked up once per step: look up all its ids in one call (concatenate "
                             "them), or build the model outside `strategy.scope()` to pull the table whole each step")
@@ -277,12 +283,23 @@ def variable_scope(strategy: Any) -> Iterator[None]:
     from ..host.variables import VariableStore
 
     store = VariableStore(on_host=True)
-    # Lookups traced in the block too (``fit`` inside it) pull their rows first.
-    shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes,
-                 fill=lambda cache, ids: _connected(strategy).fill(cache, ids))
+    building = [True]
+
+    def fill(cache: Any, ids: Any) -> Any:
+        # Lookups traced in the block too (``fit`` inside it) pull their rows first; one
+        # run in the block before any optimizer connected the job (a model called on a
+        # sample batch to build it) has nothing to pull yet and reads the spare row.
+        if building[0] and _state(strategy).exchange is None:
+            return np.int64(0)
+        return _connected(strategy).fill(cache, ids)
+
+    shard_tables(store, len(strategy.cluster.ps_addresses), strategy.shard_bytes, fill=fill)
     made: list[Any] = []  # Keras optimizers made in the block
-    with store.scope(), _optimizers_made(made), _compiled_for(strategy, made), _take_rows():
-        yield
+    try:
+        with store.scope(), _optimizers_made(made), _compiled_for(strategy, made), _take_rows():
+            yield
+    finally:
+        building[0] = False
     made = [o for i, o in enumerate(made) if not hasattr(o, "_hostreduce_exchange")
             and not any(p is o for p in made[:i])]
     if made:  # a custom loop's optimizer: it applies on the ps (a ps task serves here)
@@ -350,24 +367,26 @@ def _compiled_for(strategy: Any, made: list[Any]) -> Iterator[None]:
     from ..host.keras_files import model_classes
     from ..host.patch import routed
 
-    def compile(original: Any, model: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
-        package = type(model).__module__.split(".", 1)[0]
-        package = "tf_keras" if package == "tf_keras" else "keras"
-        if not hasattr(optimizer, "_hostreduce_exchange"):
-            optimizer = importlib.import_module(package).optimizers.get(optimizer)
-            if any(o is optimizer for o in made):  # made in the scope: it trains in place
-                training_task(strategy, "model.compile")
-                _adopt(strategy, optimizer)
-            else:
-                optimizer = keras_optimizer(strategy, optimizer)
-        if package == "keras" and kwargs.get("jit_compile", "auto") == "auto" and len(args) < 7:
-            kwargs["jit_compile"] = False
-        _files_from_the_chief(strategy, model)
-        return original(model, optimizer, *args, **kwargs)
+    def compile_of(package: str) -> Any:  # the Keras whose Model class is routed
+        def compile(original: Any, model: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
+            if not hasattr(optimizer, "_hostreduce_exchange"):
+                optimizer = importlib.import_module(package).optimizers.get(optimizer)
+                if any(o is optimizer for o in made):  # made in the scope: it trains in place
+                    training_task(strategy, "model.compile")
+                    _adopt(strategy, optimizer)
+                else:
+                    optimizer = keras_optimizer(strategy, optimizer)
+            if package == "keras" and kwargs.get("jit_compile", "auto") == "auto" and len(args) < 7:
+                kwargs["jit_compile"] = False
+            _files_from_the_chief(strategy, model)
+            return original(model, optimizer, *args, **kwargs)
+
+        return compile
 
     with contextlib.ExitStack() as stack:
         for owner in model_classes():  # Kerases imported inside the block too
-            stack.enter_context(routed(owner, "compile", compile))
+            package = "tf_keras" if owner.__module__.split(".", 1)[0] == "tf_keras" else "keras"
+            stack.enter_context(routed(owner, "compile", compile_of(package)))
         yield
 
 

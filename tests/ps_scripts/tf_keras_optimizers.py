@@ -13,9 +13,10 @@ CASES = [("legacy", "SGD", {"learning_rate": 0.1, "momentum": 0.9}),
          ("legacy", "SGD", {"learning_rate": 0.05, "momentum": 0.8, "nesterov": True}),
          ("legacy", "Adam", {"learning_rate": 0.01}),
          ("legacy", "RMSprop", {"learning_rate": 0.01, "momentum": 0.5}),
-         ("legacy", "RMSprop", {"learning_rate": 0.01}),
-         ("legacy", "RMSprop", {"learning_rate": 0.01, "centered": True}),
-         ("legacy", "Adagrad", {"learning_rate": 0.1}),
+         # a large epsilon: where it goes (inside or after the square root) shows
+         ("legacy", "RMSprop", {"learning_rate": 0.01, "epsilon": 0.1}),
+         ("legacy", "RMSprop", {"learning_rate": 0.01, "centered": True, "epsilon": 0.1}),
+         ("legacy", "Adagrad", {"learning_rate": 0.1, "epsilon": 0.1}),
          ("new", "SGD", {"learning_rate": 0.1, "momentum": 0.9}),
          ("new", "Adam", {"learning_rate": 0.01}),
          ("new", "RMSprop", {"learning_rate": 0.01})]
