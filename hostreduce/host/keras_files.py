@@ -95,10 +95,10 @@ def _tf_keras(stack: contextlib.ExitStack, owns: Callable[[Any], bool], barrier:
     stack.enter_context(routed(callbacks.BackupAndRestore, "on_train_end", end))
 
 
-def _tf_keras_chief_only(stack: contextlib.ExitStack, owns: Callable[[Any], bool], is_chief: Callable[[], bool],
-                         barrier: Callable[[], None]) -> None:
-    from tf_keras.src import callbacks
-
+def _chief_routes(owns: Callable[[Any], bool], is_chief: Callable[[], bool],
+                  barrier: Callable[[], None]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Routes for the callbacks of the models ``owns`` accepts: a write the chief alone
+    makes, and a restore made once every worker got there."""
     def chief_only(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
         if owns(callback.model) and not is_chief():
             return None
@@ -108,6 +108,15 @@ def _tf_keras_chief_only(stack: contextlib.ExitStack, owns: Callable[[Any], bool
         if owns(callback.model):
             barrier()
         return original(callback, *args, **kwargs)
+
+    return chief_only, restore_after_everyone
+
+
+def _tf_keras_chief_only(stack: contextlib.ExitStack, owns: Callable[[Any], bool], is_chief: Callable[[], bool],
+                         barrier: Callable[[], None]) -> None:
+    from tf_keras.src import callbacks
+
+    chief_only, restore_after_everyone = _chief_routes(owns, is_chief, barrier)
 
     def remove_then_wait(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
         if not owns(callback.model):
@@ -131,15 +140,7 @@ def _keras3(stack: contextlib.ExitStack, owns: Callable[[Any], bool], is_chief: 
             barrier: Callable[[], None]) -> None:
     from keras.src.callbacks import backup_and_restore, model_checkpoint
 
-    def chief_only(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
-        if owns(callback.model) and not is_chief():
-            return None
-        return original(callback, *args, **kwargs)
-
-    def restore_after_everyone(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
-        if owns(callback.model):
-            barrier()
-        return original(callback, *args, **kwargs)
+    chief_only, restore_after_everyone = _chief_routes(owns, is_chief, barrier)
 
     def remove_then_wait(original: Any, callback: Any, *args: Any, **kwargs: Any) -> Any:
         if not owns(callback.model):
