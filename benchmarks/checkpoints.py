@@ -28,8 +28,14 @@ of the chief's file write (``CheckpointManager.save``; in the background for thi
 inside ``blocking`` for the old release), and the bytes are those of the last
 checkpoint's directory (variables, input positions, metadata).
 
-Ratios: ``every2 / old-every2`` (target >= 1) and ``default / none`` (target >= 0.95).
-Results go to ``<out>/checkpoints.json`` and ``.png``.
+Each rank also reports its process's CPU per timed step (every thread, user and system)
+and the same by thread name; ``cpu_ms_per_save`` is what a save adds to both workers'
+CPU (the CPU per step of a saving row over its row without checkpoints, times 2): on 2
+cores shared by 2 workers, CPU a save costs is time the steps lose.
+
+Ratios: ``every2 / old-every2`` (target >= 1) and ``default / none`` (target >= 0.95),
+of the rows' medians; ``ratios_by_round`` gives each round's ratio (its rows ran one
+after the other) and their median. Results go to ``<out>/checkpoints.json`` and ``.png``.
 """
 from __future__ import annotations
 
@@ -121,14 +127,16 @@ def _train(plan: dict, workdir, rank: int) -> None:
 
     def hook(step: int, _loss: float) -> None:
         if step == warmup:
-            marks["t0"] = time.perf_counter()
+            marks["t0"], marks["cpu0"], marks["threads0"] = time.perf_counter(), _cpu_s(), _thread_cpu_s()
 
     input_fn = (_buffer_input_fn if plan["input"] == "buffer" else example.make_input_fn)(x, y, plan["batch"], True, 0)
     est.train(input_fn, max_steps=steps, hooks=[hook])
-    t1 = time.perf_counter()
+    t1, cpu1, threads1 = time.perf_counter(), _cpu_s(), _thread_cpu_s()
     timed = [seconds for step, seconds in blocking.items() if step >= warmup]
     record = {"kind": "train", "rank": rank, "row": plan["row"], "steps": plan["steps"],
               "steps_per_s": round(plan["steps"] / (t1 - marks["t0"]), 3), "saves": len(timed),
+              "cpu_ms_per_step": round((cpu1 - marks["cpu0"]) / plan["steps"] * 1e3, 3),
+              "cpu_ms_per_step_by_thread": _per_step(marks["threads0"], threads1, plan["steps"]),
               "blocking_ms_median": round(statistics.median(timed) * 1e3, 3) if timed else None,
               "blocking_ms_total": round(sum(timed) * 1e3, 1)}
     if writes:
@@ -143,6 +151,40 @@ def _train(plan: dict, workdir, rank: int) -> None:
     with open(os.path.join(workdir, f"rank{rank}.jsonl"), "a") as out:
         out.write(json.dumps(record) + "\n")
     est.close()
+
+
+def _cpu_s() -> float:
+    """This process's CPU time so far (every thread, user and system)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU time so far of each live thread of this process, by name (Python's thread
+    names where Python started the thread, else the kernel's; same names summed)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # (ended meanwhile)
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+        name = name.rstrip("0123456789_-")
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
+def _per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """CPU ms per step of each thread name between two :func:`_thread_cpu_s` (threads that
+    ended before the second are missing)."""
+    out = {n: round((after[n] - before.get(n, 0.0)) / steps * 1e3, 3) for n in after}
+    return dict(sorted(((n, v) for n, v in out.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def _buffer_input_fn(x, y, global_batch: int, training: bool, seed: int):
@@ -232,6 +274,9 @@ def _summarize(rep: report.Report) -> None:
         others = [m["ranks"][1] for m in ms]
         out: dict[str, Any] = {"steps_per_s": round(statistics.median(c["steps_per_s"] for c in chiefs), 2),
                                "rounds": [c["steps_per_s"] for c in chiefs]}
+        if all(r.get("cpu_ms_per_step") is not None for r in chiefs + others):
+            out["cpu_ms_per_step"] = round(statistics.median(c["cpu_ms_per_step"] + o["cpu_ms_per_step"]
+                                                             for c, o in zip(chiefs, others)), 3)
         if ROWS[row][1]:
             med = lambda rs, k: round(statistics.median(r[k] for r in rs if r.get(k) is not None), 3)  # noqa: E731
             out.update(saves=chiefs[0]["saves"], blocking_ms_chief=med(chiefs, "blocking_ms_median"),
@@ -248,12 +293,30 @@ def _summarize(rep: report.Report) -> None:
         if a in rows and b in rows:
             ratios[what] = round(rows[a]["steps_per_s"] / rows[b]["steps_per_s"], 3)
     rep["ratios"] = ratios
+    # The same ratios round by round (the rows of a round run one after the other, so a
+    # slow spell of the machine weighs on both sides of a round's ratio).
+    by_round = {(m["row"], m["round"]): m["ranks"][0]["steps_per_s"] for m in rep["measurements"]}
+    paired = {}
+    for what in TARGETS:
+        a, b = (s.strip() for s in what.split("/"))
+        each = [by_round[(a, r)] / by_round[(b, r)] for (row, r) in by_round if row == a and (b, r) in by_round]
+        if each:
+            paired[what] = {"median": round(statistics.median(each), 3), "rounds": [round(x, 3) for x in each]}
+    rep["ratios_by_round"] = paired
+    # CPU one save costs: the CPU per step of both workers above the row without
+    # checkpoints, times the steps per save.
+    cpu = {}
+    for saving, plain in (("every2", "none"), ("old-every2", "old-none")):
+        if rows.get(saving, {}).get("cpu_ms_per_step") is not None and \
+                rows.get(plain, {}).get("cpu_ms_per_step") is not None:
+            cpu[saving] = round(2 * (rows[saving]["cpu_ms_per_step"] - rows[plain]["cpu_ms_per_step"]), 3)
+    rep["cpu_ms_per_save"] = cpu
     rep["targets"] = [{"what": k, "target": f">= {v}", "value": ratios[k], "met": ratios[k] >= v}
                       for k, v in TARGETS.items() if k in ratios]
 
 
 def _show(result: dict[str, Any]) -> None:
-    print(f"\n{'row':<11} {'steps/s':>8} {'rounds':<22} {'saves':>5} {'block ms':>9} {'(rank 1)':>8} "
+    print(f"\n{'row':<11} {'steps/s':>8} {'cpu ms':>7} {'rounds':<22} {'saves':>5} {'block ms':>9} {'(rank 1)':>8} "
           f"{'write ms':>9} {'bg':>3} {'bytes':>9} {'input':>8}")
     for row, r in result["rows"].items():
         rounds = ",".join(f"{v:.0f}" for v in r["rounds"])
@@ -262,9 +325,13 @@ def _show(result: dict[str, Any]) -> None:
             extra = (f"{r['saves']:>5} {r['blocking_ms_chief']:>9.2f} {r['blocking_ms_other']:>8.2f} "
                      f"{r.get('write_ms', float('nan')):>9.2f} {'yes' if r.get('write_in_background') else 'no':>3} "
                      f"{r.get('checkpoint_bytes', 0):>9} {r.get('input_bytes', 0):>8}")
-        print(f"{row:<11} {r['steps_per_s']:>8.1f} {rounds:<22} {extra}")
+        print(f"{row:<11} {r['steps_per_s']:>8.1f} {r.get('cpu_ms_per_step', float('nan')):>7.2f} {rounds:<22} {extra}")
     for t in result["targets"]:
-        print(f"{t['what']}: {t['value']} (target {t['target']}: {'met' if t['met'] else 'MISSED'})")
+        paired = result.get("ratios_by_round", {}).get(t["what"])
+        each = f"; round by round: median {paired['median']} of {paired['rounds']}" if paired else ""
+        print(f"{t['what']}: {t['value']} (target {t['target']}: {'met' if t['met'] else 'MISSED'}){each}")
+    for row, ms in result.get("cpu_ms_per_save", {}).items():
+        print(f"CPU per save, both workers ({row} over its row without checkpoints): {ms:.2f} ms")
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

@@ -199,7 +199,11 @@ def test_checkpoints_quick_times_training_with_and_without_saves(tmp_path: Path)
     assert every2["blocking_ms_chief"] > 0 and every2["write_ms"] > 0
     assert every2["checkpoint_bytes"] > every2["input_bytes"] > 0
     assert "saves" not in rows["none"]
-    assert "every2" in proc.stdout
+    assert all(r["cpu_ms_per_step"] > 0 for r in rows.values())
+    assert isinstance(result["cpu_ms_per_save"]["every2"], float) and "old-every2" not in result["cpu_ms_per_save"]
+    chief = next(m["ranks"][0] for m in result["measurements"] if m["row"] == "every2")
+    assert {"MainThread", "hostreduce-checkpoint"} <= set(chief["cpu_ms_per_step_by_thread"])
+    assert "every2" in proc.stdout and "CPU per save" in proc.stdout
 
 
 @pytest.mark.tf

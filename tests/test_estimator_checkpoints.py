@@ -209,6 +209,22 @@ def test_resumed_run_equals_straight_run(tmp_path: Path, world_size: int) -> Non
     assert meta["world_size"] == world_size and meta["input_ranks"] == list(range(world_size))
 
 
+def test_a_save_does_not_wait_for_the_gather_of_input_positions(tmp_path: Path) -> None:
+    """Every worker's input position travels to the chief beside training: rank 1's save
+    returns before the chief has reached it, and the chief's write still holds both
+    positions, which restore where each iterator was."""
+    from tests.tf_workers.estimator_resume_workers import late_chief_rank
+
+    from hostreduce.testing import run_ranks
+
+    chief, other = run_ranks(late_chief_rank, 2, args=(str(tmp_path),), timeout=120)
+    assert chief["step"] == 3 and chief["w"] == [0.0, 1.0, 2.0]
+    assert chief["meta"]["input"] == "saved" and chief["inputs"] == [0, 1]
+    for result in (chief, other):
+        assert result["resumed"] == result["after"], result
+    assert chief["taken"] != other["taken"]  # (two different positions)
+
+
 def test_uncheckpointable_input_warns_once_and_resumes_variables(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     x, y = common.dataset_arrays(64)

@@ -8,18 +8,22 @@ the same steps, the chief's settings and clock deciding, so a worker without a
 
 The chief writes in the background: a save copies the variables' values (a consistent
 snapshot of the step, taken with every worker's input position at the same step) and
-returns, and a writer thread writes the files while training goes on. A save waits for
-the previous write first, so at most one write is in flight and a checkpoint is on disk
-at the latest when the next save starts. :meth:`Checkpointing.flush` waits for the write
-in flight: ``train()`` calls it before it returns (its last checkpoint is then on disk),
-as do ``close()`` and the readers of checkpoints. A write that fails raises
-``CheckpointError`` at the next save or flush, and one still running after
-``WRITE_TIMEOUT_S`` raises it there too. A chief killed while a write is in flight
-loses that checkpoint only: the write is atomic (``checkpoint.py``), so no part of it
-is ever taken for a checkpoint, and a resumed run starts from the newest whole one. The
-writer thread is not a daemon: a process that ends normally, even by an exception,
-finishes the write first. With parameter servers the save stays synchronous, since
-their shards are written at the same point as the chief's files.
+returns, and a writer thread writes the files while training goes on. The positions
+travel to the chief beside training too: each worker serializes its iterator's state at
+the step and starts an all-gather, which the chief's writer waits for and every worker
+finishes by its next save or flush, so no worker's step waits for the slowest worker's
+position. A save waits for the previous write first, so at most one write is in flight
+and a checkpoint is on disk at the latest when the next save starts.
+:meth:`Checkpointing.flush` waits for the write in flight: ``train()`` calls it before
+it returns (its last checkpoint is then on disk), as do ``close()`` and the readers of
+checkpoints. A write that fails raises ``CheckpointError`` at the next save or flush,
+and one still running after ``WRITE_TIMEOUT_S`` raises it there too. A chief killed
+while a write is in flight loses that checkpoint only: the write is atomic
+(``checkpoint.py``), so no part of it is ever taken for a checkpoint, and a resumed run
+starts from the newest whole one. The writer thread is not a daemon: a process that ends
+normally, even by an exception, finishes the write first. With parameter servers the
+save stays synchronous, since their shards are written at the same point as the chief's
+files.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..progress import logger, progress
 from .checkpoint import CheckpointManager
-from .input_state import InputNotCheckpointable, broadcast, gather, pack, restore_iterator, save_iterator, unpack
+from .input_state import InputNotCheckpointable, broadcast, pack, restore_iterator, save_iterator, start_gather, unpack
 
 __all__ = ["Checkpointing", "with_ps_tables", "WRITE_TIMEOUT_S"]
 
@@ -74,6 +78,7 @@ class Checkpointing:
         self._input_warned = False
         self._writer: _Writer | None = None
         self._saved_step: int | None = None  # the step of this train()'s last save (policy() starts a train())
+        self._gathering: Callable[[], Any] | None = None  # the last save's gather of input positions, until waited for
 
     # -- variables -----------------------------------------------------------------
     def restore_latest(self, variables: list[tuple[str, Any]]) -> int | None:
@@ -126,16 +131,16 @@ class Checkpointing:
     def save(self, step: int, variables: Callable[[], Mapping[str, np.ndarray]], input_ended: bool = False) -> None:
         """Checkpoint ``step``: the chief writes ``variables()`` and every worker's input
         position. Every worker calls this at the same steps (the positions are gathered
-        to the chief); ``input_ended``: the data ran out, so no position is saved and
-        the next ``train`` starts ``input_fn``'s data anew."""
+        to the chief, beside training: the previous save's gather is waited for here);
+        ``input_ended``: the data ran out, so no position is saved and the next
+        ``train`` starts ``input_fn``'s data anew."""
         if not self.chief_saves or step == self._saved_step:
             return  # (the end of train() right after a periodic save: every worker knows)
         self._last_save, self._saved_step = time.monotonic(), step
-        inputs = self._gather_inputs(input_ended)
+        self._wait_for_gather()
+        inputs = self._gathering = self._start_gather(input_ended)
         if not self._strategy.is_chief:
             return
-        meta = {"world_size": self._strategy.size, "input": "saved" if inputs else
-                ("ended" if input_ended else "not checkpointable")}
         files = self.files
         assert files is not None
         writer = self._writer
@@ -144,26 +149,42 @@ class Checkpointing:
             # files of a step are never rewritten, so neither are the ps shards beside
             # them, which must stay the same point as the chief's variables.
             return
+        size, ended = self._strategy.size, input_ended
+
+        def write(values: Mapping[str, np.ndarray], prune: bool) -> str:
+            positions = inputs()
+            meta = {"world_size": size, "input": "saved" if positions else ("ended" if ended else "not checkpointable")}
+            return files.save(step, values, meta, positions, prune=prune)
+
         if self.ps is not None:
             self.flush()
             self.ps.before_save(step)
-            path = files.save(step, variables(), meta, inputs)
+            path = write(variables(), True)
             self.ps.after_save(step)
             progress("Saved checkpoint for step %d to %s", step, path)
             return
         snapshot = {name: np.array(value, copy=True) for name, value in variables().items()}
         if writer is None:
             writer = self._writer = _Writer()
-        writer.submit(step, lambda: files.save(step, snapshot, meta, inputs, prune=False), files.prune)
+        writer.submit(step, lambda: write(snapshot, False), files.prune)
 
     def flush(self) -> None:
         """Wait until the checkpoint being written is on disk and the old ones it
-        pushed out are removed; raise its write's error (``CheckpointError``)."""
+        pushed out are removed, and for this worker's part in the last save's gather
+        of input positions; raise the write's error (``CheckpointError``) or the
+        gather's."""
         if self._writer is not None:
             self._writer.wait(cleaned=True)
+        self._wait_for_gather()
 
-    def _gather_inputs(self, input_ended: bool) -> dict[int, dict[str, bytes]] | None:
-        """Every worker's input position on the chief (None unless all have one)."""
+    def _wait_for_gather(self) -> None:
+        gathering, self._gathering = self._gathering, None
+        if gathering is not None:
+            gathering()
+
+    def _start_gather(self, input_ended: bool) -> Callable[[], dict[int, dict[str, bytes]] | None]:
+        """Start gathering every worker's input position to the chief; the function
+        returned waits for them (None unless every worker has one)."""
         blob = None
         if not input_ended and self.iterator is not None:
             try:
@@ -176,10 +197,16 @@ class Checkpointing:
                         "a run resumed from them starts input_fn's data from its beginning. Datasets built with "
                         "from_generator, py_function or numpy_function keep their state outside TensorFlow", exc)
         strategy = self._strategy
-        blobs = [blob] if strategy.size == 1 else gather(strategy.reducer, blob, "hostreduce.ckpt.input")
-        if not strategy.is_chief or any(b is None for b in blobs):
-            return None
-        return {rank: unpack(b) for rank, b in enumerate(blobs)}  # type: ignore[arg-type]
+        blobs = (lambda: [blob]) if strategy.size == 1 else start_gather(strategy.reducer, blob, "hostreduce.ckpt.input")
+        is_chief = strategy.is_chief
+
+        def positions() -> dict[int, dict[str, bytes]] | None:
+            found = blobs()
+            if not is_chief or any(b is None for b in found):
+                return None
+            return {rank: unpack(b) for rank, b in enumerate(found)}  # type: ignore[arg-type]
+
+        return positions
 
     # -- restoring the input ---------------------------------------------------------
     def restore_input(self, dataset: Any, iterator: Any, step: int) -> Any:

@@ -22,14 +22,14 @@ import os
 import re
 import struct
 import uuid
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import HostReduceError, InputNotCheckpointable
 
 __all__ = ["InputNotCheckpointable", "IteratorFiles", "save_iterator", "restore_iterator", "pack", "unpack",
-           "gather", "broadcast"]
+           "gather", "start_gather", "broadcast"]
 
 # File suffix -> contents: ".state" (the iterator's state tensor, serialized), or
 # ".index" and ".data-00000-of-00001" as tf.train.Checkpoint wrote them for one prefix
@@ -154,19 +154,30 @@ def gather(reducer: Any, blob: bytes | None, name: str) -> list[bytes | None]:
     """Every rank's ``blob`` (None where a rank has none), in rank order, on every rank:
     one all-gather of each rank's length word followed by its blob in words (ranks may
     send different lengths)."""
+    return start_gather(reducer, blob, name)()
+
+
+def start_gather(reducer: Any, blob: bytes | None, name: str) -> Callable[[], list[bytes | None]]:
+    """:func:`gather`, started: the all-gather runs while the caller goes on, and the
+    function returned waits for it and returns the blobs (raising its error)."""
     own = np.array([-1], np.int64) if blob is None else \
         np.concatenate([np.array([len(blob)], np.int64), _as_words(blob, (len(blob) + 7) // 8)])
-    words = reducer.allgather(f"{name}.blobs", own)
-    found: list[bytes | None] = []
-    at = 0
-    for _ in range(reducer.size):
-        size = int(words[at])
-        length = 0 if size < 0 else (size + 7) // 8
-        found.append(None if size < 0 else _from_words(words[at + 1:at + 1 + length], size))
-        at += 1 + length
-    if at != len(words):
-        raise HostReduceError(f"All-gather {name!r}: {len(words)} words do not hold {reducer.size} blobs")
-    return found
+    handle = reducer.allgather_async(f"{name}.blobs", own)
+
+    def blobs() -> list[bytes | None]:
+        words = handle.wait()
+        found: list[bytes | None] = []
+        at = 0
+        for _ in range(reducer.size):
+            size = int(words[at])
+            length = 0 if size < 0 else (size + 7) // 8
+            found.append(None if size < 0 else _from_words(words[at + 1:at + 1 + length], size))
+            at += 1 + length
+        if at != len(words):
+            raise HostReduceError(f"All-gather {name!r}: {len(words)} words do not hold {reducer.size} blobs")
+        return found
+
+    return blobs
 
 
 def broadcast(reducer: Any, blobs: Sequence[bytes | None] | None, name: str, root: int = 0) -> list[bytes | None]:

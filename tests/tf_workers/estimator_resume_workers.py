@@ -65,3 +65,45 @@ def resume_rank(rank: int, world_size: int, root: str, steps: int) -> dict[str, 
     resumed = _train(stopped if rank == 0 else None, steps)
     without_input = _train(control if rank == 0 else None, steps)
     return {"straight": straight, "resumed": resumed, "without_input": without_input, "kept": kept}
+
+
+def late_chief_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank 1 saves first and goes on; the chief reaches the same save only once rank 1's
+    save has returned (a file tells it), so a save that waited for the gather of input
+    positions would never return."""
+    import time
+
+    import tensorflow as tf
+
+    from hostreduce.estimator.checkpoint import CheckpointManager
+    from hostreduce.estimator.checkpointing import Checkpointing
+    from hostreduce.strategies import MultiWorkerStrategy
+
+    strategy = MultiWorkerStrategy()
+    model_dir, signal = os.path.join(root, "model_dir"), os.path.join(root, "rank1-saved")
+    ckpt = Checkpointing(strategy, CheckpointManager(model_dir) if rank == 0 else None, 1, None)
+    ckpt.policy()
+    dataset = tf.data.Dataset.range(100).shuffle(10, seed=rank).batch(2)
+    iterator = ckpt.iterator = iter(dataset)
+    taken = [next(iterator).numpy().tolist() for _ in range(3)]
+    if rank == 1:
+        ckpt.save(3, dict)
+        with open(signal, "w"):
+            pass
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(signal):
+            assert time.monotonic() < deadline, "rank 1's save did not return before the chief's"
+            time.sleep(0.01)
+        ckpt.save(3, lambda: {"w": np.arange(3.0)})
+    ckpt.flush()
+    after = next(iterator).numpy().tolist()
+    resume = Checkpointing(strategy, CheckpointManager(model_dir) if rank == 0 else None, None, None)
+    resume.policy()
+    resumed = next(resume.restore_input(dataset, iter(dataset), 3)).numpy().tolist()
+    if rank != 0:
+        return {"taken": taken, "after": after, "resumed": resumed}
+    manager = CheckpointManager(model_dir)
+    step, arrays, meta = manager.load()
+    return {"taken": taken, "after": after, "resumed": resumed, "step": step, "w": arrays["w"].tolist(), "meta": meta,
+            "inputs": sorted(manager.load_inputs(manager.find(3)))}
