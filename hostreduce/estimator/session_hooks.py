@@ -92,7 +92,6 @@ class HookSession:
     def fetch(self, fetches: Any, batch: Sequence[Any]) -> Any:
         import tensorflow as tf
 
-        graph = self.graph
         flat = [self._element(f) for f in tf.nest.flatten(fetches)]
         if not flat:
             return fetches
