@@ -217,12 +217,46 @@ def test_a_save_does_not_wait_for_the_gather_of_input_positions(tmp_path: Path) 
 
     from hostreduce.testing import run_ranks
 
-    chief, other = run_ranks(late_chief_rank, 2, args=(str(tmp_path),), timeout=120)
+    chief, other = run_ranks(late_chief_rank, 2, args=(str(tmp_path),), timeout=150)
     assert chief["step"] == 3 and chief["w"] == [0.0, 1.0, 2.0]
     assert chief["meta"]["input"] == "saved" and chief["inputs"] == [0, 1]
     for result in (chief, other):
         assert result["resumed"] == result["after"], result
     assert chief["taken"] != other["taken"]  # (two different positions)
+
+
+def test_a_gather_that_fails_raises_on_the_worker_and_the_chief_keeps_the_variables(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The job fails while the positions travel: the worker's next wait raises the
+    reducer's error, and the chief's writer still writes the step's variables (without
+    positions, saying so) rather than losing the checkpoint."""
+    from types import SimpleNamespace
+
+    from hostreduce.errors import PeerLostError
+    from hostreduce.estimator.checkpointing import Checkpointing
+    from hostreduce.reducers.handle import Handle
+
+    def failed_gather(name: str, array: np.ndarray) -> Handle:
+        handle = Handle(name)
+        handle.set_error(PeerLostError("rank 1 stopped answering"))
+        return handle
+
+    reducer = SimpleNamespace(size=2, broadcast=lambda name, array, root: array, allgather_async=failed_gather)
+    strategy = SimpleNamespace(rank=0, size=2, is_chief=True, reducer=reducer)
+    ckpt = Checkpointing(strategy, CheckpointManager(str(tmp_path)), 1, None)
+    ckpt.policy()
+    ckpt.iterator = iter(tf.data.Dataset.range(10))
+    next(ckpt.iterator)
+    with caplog.at_level(logging.WARNING, logger="hostreduce.estimator"):
+        ckpt.save(1, lambda: {"w": np.arange(3.0)})  # (returns: the gather is waited for later)
+        with pytest.raises(PeerLostError, match="rank 1 stopped answering"):
+            ckpt.flush()
+    assert any("did not reach the chief (PeerLostError" in r.getMessage() for r in caplog.records)
+    manager = CheckpointManager(str(tmp_path))
+    step, arrays, meta = manager.load()
+    assert step == 1 and arrays["w"].tolist() == [0.0, 1.0, 2.0] and meta["input"] == "not gathered"
+    assert manager.load_inputs(manager.find(1)) == {}
+    ckpt.flush()  # (raised once)
 
 
 def test_uncheckpointable_input_warns_once_and_resumes_variables(tmp_path: Path,

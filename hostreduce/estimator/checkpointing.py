@@ -11,19 +11,22 @@ snapshot of the step, taken with every worker's input position at the same step)
 returns, and a writer thread writes the files while training goes on. The positions
 travel to the chief beside training too: each worker serializes its iterator's state at
 the step and starts an all-gather, which the chief's writer waits for and every worker
-finishes by its next save or flush, so no worker's step waits for the slowest worker's
-position. A save waits for the previous write first, so at most one write is in flight
-and a checkpoint is on disk at the latest when the next save starts.
-:meth:`Checkpointing.flush` waits for the write in flight: ``train()`` calls it before
-it returns (its last checkpoint is then on disk), as do ``close()`` and the readers of
-checkpoints. A write that fails raises ``CheckpointError`` at the next save or flush,
-and one still running after ``WRITE_TIMEOUT_S`` raises it there too. A chief killed
-while a write is in flight loses that checkpoint only: the write is atomic
-(``checkpoint.py``), so no part of it is ever taken for a checkpoint, and a resumed run
-starts from the newest whole one. The writer thread is not a daemon: a process that ends
-normally, even by an exception, finishes the write first. With parameter servers the
-save stays synchronous, since their shards are written at the same point as the chief's
-files.
+waits for at its next save or flush, so the step does not wait for the gather's round
+trip (collectives queue behind it as behind any other). A save waits for the previous
+write first, so at most one write is in flight and a checkpoint is on disk at the latest
+when the next save starts. :meth:`Checkpointing.flush` waits for the write in flight:
+``train()`` calls it before it returns (its last checkpoint is then on disk), as do
+``close()`` and the readers of checkpoints. A write that fails raises
+``CheckpointError`` at the next save or flush, and one still running after
+``WRITE_TIMEOUT_S`` raises it there too; a gather that fails raises the reducer's error
+there on every worker, and the chief writes that checkpoint without positions (with a
+warning). A chief killed while a write is in flight loses that checkpoint only: the
+write is atomic (``checkpoint.py``), so no part of it is ever taken for a checkpoint,
+and a resumed run starts from the newest whole one. The writer thread is not a daemon: a
+process that ends normally, even by an exception, finishes the write first (if the job's
+reducer closed before the positions arrived, without them). With parameter servers the
+chief's save stays synchronous, since their shards are written at the same point as the
+chief's files.
 """
 from __future__ import annotations
 
@@ -152,8 +155,17 @@ class Checkpointing:
         size, ended = self._strategy.size, input_ended
 
         def write(values: Mapping[str, np.ndarray], prune: bool) -> str:
-            positions = inputs()
-            meta = {"world_size": size, "input": "saved" if positions else ("ended" if ended else "not checkpointable")}
+            try:
+                positions = inputs()
+                state = "saved" if positions else ("ended" if ended else "not checkpointable")
+            except Exception as exc:  # noqa: BLE001 - every rank's own wait raises it too
+                # (the job failing, or ending by an exception, while the positions
+                # travelled: the variables are still worth keeping)
+                logger.warning("The input positions of step %d did not reach the chief (%s: %s): its checkpoint holds "
+                               "the variables only, and a run resumed from it starts input_fn's data from its "
+                               "beginning", step, type(exc).__name__, exc)
+                positions, state = None, "not gathered"
+            meta = {"world_size": size, "input": state}
             return files.save(step, values, meta, positions, prune=prune)
 
         if self.ps is not None:
@@ -201,7 +213,7 @@ class Checkpointing:
         is_chief = strategy.is_chief
 
         def positions() -> dict[int, dict[str, bytes]] | None:
-            found = blobs()
+            found = blobs()  # (waited for on every rank: it raises the gather's error)
             if not is_chief or any(b is None for b in found):
                 return None
             return {rank: unpack(b) for rank, b in enumerate(found)}  # type: ignore[arg-type]
@@ -299,7 +311,7 @@ class _Writer:
         if not ended:
             raise CheckpointError(f"The checkpoint of step {self.step} is still being written after "
                                   f"{time.monotonic() - self._started:.0f} s (the limit is {timeout_s:g} s): is "
-                                  "model_dir's filesystem stuck?")
+                                  "model_dir's filesystem stuck, or a worker's input position late?")
         error, self._error = self._error, None
         if error is not None:
             if isinstance(error, CheckpointError):
