@@ -45,6 +45,8 @@ from .input_state import InputNotCheckpointable, broadcast, pack, restore_iterat
 
 __all__ = ["Checkpointing", "with_ps_tables", "WRITE_TIMEOUT_S"]
 
+Positions = dict[int, dict[str, bytes]]  # each rank's input position: {rank: {file suffix: contents}}
+
 WRITE_TIMEOUT_S = 600.0  # the longest wait for a checkpoint being written before it counts as failed
 
 
@@ -141,7 +143,7 @@ class Checkpointing:
             return  # (the end of train() right after a periodic save: every worker knows)
         self._last_save, self._saved_step = time.monotonic(), step
         self._wait_for_gather()
-        inputs = self._gathering = self._start_gather(input_ended)
+        self._gathering, inputs = self._start_gather(input_ended)
         if not self._strategy.is_chief:
             return
         files = self.files
@@ -194,9 +196,10 @@ class Checkpointing:
         if gathering is not None:
             gathering()
 
-    def _start_gather(self, input_ended: bool) -> Callable[[], dict[int, dict[str, bytes]] | None]:
-        """Start gathering every worker's input position to the chief; the function
-        returned waits for them (None unless every worker has one)."""
+    def _start_gather(self, input_ended: bool) -> tuple[Callable[[], Any], Callable[[], Positions | None]]:
+        """Start gathering every worker's input position to the chief; return a function
+        that waits for the gather (raising its error), and one that also returns the
+        positions (None unless every worker has one; on the chief)."""
         blob = None
         if not input_ended and self.iterator is not None:
             try:
@@ -209,16 +212,19 @@ class Checkpointing:
                         "a run resumed from them starts input_fn's data from its beginning. Datasets built with "
                         "from_generator, py_function or numpy_function keep their state outside TensorFlow", exc)
         strategy = self._strategy
-        blobs = (lambda: [blob]) if strategy.size == 1 else start_gather(strategy.reducer, blob, "hostreduce.ckpt.input")
+        if strategy.size == 1:
+            blobs: Callable[[], list[bytes | None]] = lambda: [blob]  # noqa: E731
+        else:
+            blobs = start_gather(strategy.reducer, blob, "hostreduce.ckpt.input")
         is_chief = strategy.is_chief
 
-        def positions() -> dict[int, dict[str, bytes]] | None:
-            found = blobs()  # (waited for on every rank: it raises the gather's error)
+        def positions() -> Positions | None:
+            found = blobs()
             if not is_chief or any(b is None for b in found):
                 return None
             return {rank: unpack(b) for rank, b in enumerate(found)}  # type: ignore[arg-type]
 
-        return positions
+        return blobs, positions
 
     # -- restoring the input ---------------------------------------------------------
     def restore_input(self, dataset: Any, iterator: Any, step: int) -> Any:

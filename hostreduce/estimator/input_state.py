@@ -21,6 +21,7 @@ import contextlib
 import os
 import re
 import struct
+import threading
 import uuid
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -159,13 +160,21 @@ def gather(reducer: Any, blob: bytes | None, name: str) -> list[bytes | None]:
 
 def start_gather(reducer: Any, blob: bytes | None, name: str) -> Callable[[], list[bytes | None]]:
     """:func:`gather`, started: the all-gather runs while the caller goes on, and the
-    function returned waits for it and returns the blobs (raising its error)."""
+    function returned waits for it and returns the blobs (raising its error); it may be
+    called again, from any thread, and parses them once."""
     own = np.array([-1], np.int64) if blob is None else \
         np.concatenate([np.array([len(blob)], np.int64), _as_words(blob, (len(blob) + 7) // 8)])
     handle = reducer.allgather_async(f"{name}.blobs", own)
+    lock, parsed = threading.Lock(), []  # (the blobs, once parsed)
 
     def blobs() -> list[bytes | None]:
-        words = handle.wait()
+        words = handle.wait()  # (raises the collective's error, every call)
+        with lock:
+            if not parsed:
+                parsed.append(split(words))
+            return parsed[0]
+
+    def split(words: np.ndarray) -> list[bytes | None]:
         found: list[bytes | None] = []
         at = 0
         for _ in range(reducer.size):
