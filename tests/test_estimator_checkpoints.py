@@ -308,6 +308,30 @@ def test_the_stores_batched_read_follows_updates_and_new_variables() -> None:
     assert store.values([]) == []
 
 
+def test_tensors_read_by_a_save_keep_their_values_through_updates() -> None:
+    """What a save hands to the background writer: tensors read from the variables,
+    not copies; an update after the read (an assignment, the optimizer's apply) leaves
+    them as they were read."""
+    from hostreduce.host.variables import VariableStore
+
+    store = VariableStore()
+    with store.scope():
+        v = tf.Variable(np.full([4, 3], 1.0, np.float32), name="w")
+        m = tf.Variable(np.zeros([4, 3], np.float32), name="m")
+        u = tf.Variable(np.zeros([4, 3], np.float32), name="u")
+    keys = [k for k, _ in store.items()]
+    for _ in range(3):  # one by one, then the traced read, then the traced read again
+        read = store.tensors(keys)
+        before = [t.numpy().copy() for t in read]
+        v.assign_add(np.ones([4, 3], np.float32))
+        tf.raw_ops.ResourceApplyAdam(var=v.handle, m=m.handle, v=u.handle, beta1_power=0.9, beta2_power=0.99,
+                                     lr=0.1, beta1=0.9, beta2=0.999, epsilon=1e-7, grad=tf.ones([4, 3]),
+                                     use_locking=False)
+        assert not np.array_equal(v.numpy(), before[0])
+        for name, got, want in zip(keys, read, before):
+            np.testing.assert_array_equal(got.numpy(), want, err_msg=name)
+
+
 def _shuffled_batches() -> "tf.data.Dataset":
     return tf.data.Dataset.range(200).shuffle(64, seed=7).map(lambda i: i * 3).batch(5).prefetch(2)
 

@@ -108,13 +108,13 @@ class CheckpointManager:
         checkpoint in directory ``path`` (the directory itself for the npz format)."""
         return os.path.join(path, _VARIABLES) if os.path.isfile(os.path.join(path, _VARIABLES + ".index")) else path
 
-    def save(self, step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
+    def save(self, step: int, arrays: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
              inputs: Mapping[int, Mapping[str, bytes]] | None = None, prune: bool = True) -> str:
         """Write the checkpoint of ``step`` atomically; return its directory.
 
         Args:
             step: the global step.
-            arrays: variable values by name.
+            arrays: variable values by name (NumPy arrays or tensors).
             meta: extra JSON-serializable entries for ``meta.json``.
             inputs: each rank's input position: ``{rank: {suffix: file contents}}``, as
                 :func:`hostreduce.estimator.input_state.save_iterator` returns them.
@@ -223,12 +223,13 @@ class CheckpointManager:
 
 
 def _save_tensors(prefix: str, arrays: Mapping[str, Any]) -> None:
-    """A name-based TensorFlow checkpoint at ``prefix`` (``SaveV2``, as ``tf.compat.v1.train.Saver``)."""
+    """A name-based TensorFlow checkpoint at ``prefix`` (``SaveV2``, as ``tf.compat.v1.train.Saver``);
+    ``arrays``' values are NumPy arrays or tensors (taken as they are: no copy)."""
     import tensorflow as tf
 
     names = list(arrays)
     with tf.device("/CPU:0"):
-        tensors = [tf.convert_to_tensor(np.asarray(arrays[n])) for n in names]
+        tensors = [v if isinstance(v, tf.Tensor) else tf.convert_to_tensor(np.asarray(v)) for v in arrays.values()]
         tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
 
 

@@ -6,9 +6,10 @@ module decides the collectives around them. Every worker takes the same decision
 the same steps, the chief's settings and clock deciding, so a worker without a
 ``model_dir`` still takes part in every save.
 
-The chief writes in the background: a save copies the variables' values (a consistent
-snapshot of the step, taken with every worker's input position at the same step) and
-returns, and a writer thread writes the files while training goes on. The positions
+The chief writes in the background: a save reads the variables' values (a consistent
+snapshot of the step, taken with every worker's input position at the same step: the
+tensors read keep their values while training updates the variables) and returns, and
+a writer thread writes the files while training goes on. The positions
 travel to the chief beside training too: each worker serializes its iterator's state at
 the step and starts an all-gather, which the chief's writer waits for and every worker
 waits for at its next save or flush, so the step does not wait for the gather's round
@@ -133,10 +134,11 @@ class Checkpointing:
         return due
 
     # -- saving --------------------------------------------------------------------
-    def save(self, step: int, variables: Callable[[], Mapping[str, np.ndarray]], input_ended: bool = False) -> None:
-        """Checkpoint ``step``: the chief writes ``variables()`` and every worker's input
-        position. Every worker calls this at the same steps (the positions are gathered
-        to the chief, beside training: the previous save's gather is waited for here);
+    def save(self, step: int, variables: Callable[[], Mapping[str, Any]], input_ended: bool = False) -> None:
+        """Checkpoint ``step``: the chief writes ``variables()`` (tensors read from the
+        variables, or NumPy arrays) and every worker's input position. Every worker
+        calls this at the same steps (the positions are gathered to the chief, beside
+        training: the previous save's gather is waited for here);
         ``input_ended``: the data ran out, so no position is saved and the next
         ``train`` starts ``input_fn``'s data anew."""
         if not self.chief_saves or step == self._saved_step:
@@ -177,7 +179,10 @@ class Checkpointing:
             self.ps.after_save(step)
             progress("Saved checkpoint for step %d to %s", step, path)
             return
-        snapshot = {name: np.array(value, copy=True) for name, value in variables().items()}
+        # Tensors read from the variables keep the step's values (TensorFlow copies a
+        # variable before updating it while such a tensor lives); arrays are copied.
+        snapshot = {name: value if _is_tensor(value) else np.array(value, copy=True)
+                    for name, value in variables().items()}
         if writer is None:
             writer = self._writer = _Writer()
         writer.submit(step, lambda: write(snapshot, False), files.prune)
@@ -257,6 +262,12 @@ class Checkpointing:
         if strategy.is_chief:
             progress("Restored the input position of %d worker(s) from %s", len(blobs or ()), path)
         return iterator
+
+
+def _is_tensor(value: Any) -> bool:
+    import tensorflow as tf
+
+    return isinstance(value, tf.Tensor)
 
 
 class _Writer:

@@ -111,6 +111,11 @@ class Estimator:
         keys = [k for k, _ in self._store.items() if k not in self._excluded_keys]
         return dict(zip(keys, self._store.values(keys)))
 
+    def _own_tensors(self) -> dict[str, Any]:
+        """:meth:`_own_variables` as tensors (what a checkpoint writes: no copy)."""
+        keys = [k for k, _ in self._store.items() if k not in self._excluded_keys]
+        return dict(zip(keys, self._store.tensors(keys)))
+
     @property
     def checkpoints(self) -> CheckpointManager | None:
         """The checkpoint files of ``model_dir`` (None without one)."""
@@ -186,7 +191,7 @@ class Estimator:
     # -- checkpoints -----------------------------------------------------------
     def _save(self, input_ended: bool = False) -> None:
         """Checkpoint the current step (every worker calls this at the same steps)."""
-        self._ckpt.save(self._global_step, self._own_variables, input_ended)
+        self._ckpt.save(self._global_step, self._own_tensors, input_ended)
 
     # -- train -----------------------------------------------------------------
     def train(self, input_fn: Callable[..., Any], steps: int | None = None, max_steps: int | None = None,

@@ -93,9 +93,15 @@ class VariableStore:
         return [(k, self._vars[k]) for k in self._order]
 
     def values(self, keys: list[str]) -> list[Any]:
+        """The values of the variables ``keys`` as NumPy arrays (see :meth:`tensors`)."""
+        return [t.numpy() for t in self.tensors(keys)]
+
+    def tensors(self, keys: list[str]) -> list[Any]:
         """The values of the variables ``keys``, read in one call (reading them one by
         one costs a dispatch each: a millisecond for a small model's dozens on a busy
-        host, in the step of every checkpoint)."""
+        host, in the step of every checkpoint), as tensors. A tensor read from a
+        variable keeps the value it was read with: TensorFlow copies a variable's buffer
+        before an update while a tensor read from it lives."""
         import tensorflow as tf
 
         variables = [self._vars[k] for k in keys]
@@ -106,10 +112,10 @@ class VariableStore:
             # The first read of a set goes one by one: tracing the function costs more
             # than one read (tens of ms), which only a second read of the same set repays.
             self._reader = (ids, variables)
-            return [v.numpy() for v in variables]
+            return [v.read_value() for v in variables]
         if isinstance(self._reader[1], list):
             self._reader = (ids, tf.function(lambda: [v.read_value() for v in variables], autograph=False))
-        return [t.numpy() for t in self._reader[1]()]
+        return list(self._reader[1]())
 
     def key_of(self, variable: Any) -> str | None:
         target = getattr(variable, "_value", variable)
