@@ -232,6 +232,14 @@ ROWS = {  # tree, model_dir, save_checkpoints_steps, input
 TARGETS = {"every2 / old-every2": 1.0, "default / none": 0.95}
 
 
+def _resolve(commit: str) -> str:
+    """``commit``'s full hash (a name such as ``HEAD`` moves), or ``commit`` where git
+    cannot tell."""
+    found = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--verify", "-q", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True)
+    return found.stdout.strip() or commit
+
+
 def _old_tree(root: Path, commit: str) -> Path:
     """The old release's files, from this repository's history (removed with ``root``)."""
     tree = root / "old-tree"
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                         packages=("numpy", "grpcio", "tensorflow", "keras"),
                         environment_extra={"load_wait": report.wait_for_quiet(args.max_load, args.max_wait_s)},
                         settings={"rows": rows, "steps": steps, "warmup": args.warmup, "rounds": rounds,
-                                  "batch": plan["batch"], "old_commit": args.old_commit, "quick": args.quick,
+                                  "batch": plan["batch"], "old_commit": _resolve(args.old_commit), "quick": args.quick,
                                   "definitions": {
                                       "steps_per_s": "chief, timed steps / (train() return - end of warm-up)",
                                       "blocking_ms": "median time of one save call of the Estimator (the step "
