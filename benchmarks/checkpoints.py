@@ -19,6 +19,16 @@ configuration a job of its own:
 | ``old-every2`` | the old release (``--old-commit``, extracted with ``git archive`` into the run's work directory and removed with it), ``save_checkpoints_steps=2``; its own example, same venv |
 | ``old-none`` | the old release without checkpoints (whether the trees differ apart from the checkpoints) |
 
+Two diagnostic rows show what the input positions cost a save (named with ``--rows``;
+not part of the default set). Both change the tree under test inside the benchmark's
+worker only, through the names ``hostreduce.estimator.checkpointing`` imports; no user
+setting does this:
+
+| row | what runs |
+|---|---|
+| ``every2-no-state`` | ``every2`` with the iterator's state left out (as for an input that cannot be checkpointed); the all-gather of the positions still runs |
+| ``every2-no-positions`` | ``every2`` with neither the iterator's state nor its all-gather: a save is the variables alone, as in the old release |
+
 A row's rate is steps/s from the end of its warm-up steps to the return of ``train()``
 (its last save included, and, for this tree, the wait for its background write), on the
 chief. Rows run in a rotating order, ``--rounds`` times; a row's figure is its median
@@ -129,6 +139,8 @@ def _train(plan: dict, workdir, rank: int) -> None:
         if step == warmup:
             marks["t0"], marks["cpu0"], marks["threads0"] = time.perf_counter(), _cpu_s(), _thread_cpu_s()
 
+    if plan.get("positions", "all") != "all":
+        _leave_out_positions(plan["positions"])
     input_fn = (_buffer_input_fn if plan["input"] == "buffer" else example.make_input_fn)(x, y, plan["batch"], True, 0)
     est.train(input_fn, max_steps=steps, hooks=[hook])
     t1, cpu1, threads1 = time.perf_counter(), _cpu_s(), _thread_cpu_s()
@@ -151,6 +163,20 @@ def _train(plan: dict, workdir, rank: int) -> None:
     with open(os.path.join(workdir, f"rank{rank}.jsonl"), "a") as out:
         out.write(json.dumps(record) + "\n")
     est.close()
+
+
+def _leave_out_positions(what: str) -> None:
+    """The diagnostic rows: a save without the iterator's state (``"no-state"``), or
+    without it and its all-gather (``"none"``)."""
+    from hostreduce.errors import InputNotCheckpointable
+    from hostreduce.estimator import checkpointing
+
+    def no_state(iterator):
+        raise InputNotCheckpointable("left out by the benchmark's diagnostic row")
+
+    checkpointing.save_iterator = no_state
+    if what == "none":
+        checkpointing.start_gather = lambda reducer, blob, name: (lambda: [None] * reducer.size)
 
 
 def _cpu_s() -> float:
@@ -221,7 +247,7 @@ from benchmarks.harness import cli, jobs, peers, report  # noqa: E402
 from benchmarks.harness import placement as P  # noqa: E402
 from benchmarks.harness.jobs import REPO_ROOT, workroot  # noqa: E402
 
-ROWS = {  # tree, model_dir, save_checkpoints_steps, input
+ROWS = {  # tree, model_dir, save_checkpoints_steps, input[, input positions]
     "none": ("new", False, None, "example"),
     "default": ("new", True, None, "example"),
     "every2": ("new", True, 2, "example"),
@@ -229,6 +255,11 @@ ROWS = {  # tree, model_dir, save_checkpoints_steps, input
     "old-every2": ("old", True, 2, "example"),
     "old-none": ("old", False, None, "example"),
 }
+DIAGNOSTIC_ROWS = {  # named with --rows only
+    "every2-no-state": ("new", True, 2, "example", "no-state"),
+    "every2-no-positions": ("new", True, 2, "example", "none"),
+}
+ALL_ROWS = {**ROWS, **DIAGNOSTIC_ROWS}
 TARGETS = {"every2 / old-every2": 1.0, "default / none": 0.95}
 
 
@@ -251,10 +282,11 @@ def _old_tree(root: Path, commit: str) -> Path:
 
 
 def _run_row(rep: report.Report, row: str, rnd: int, tree: Path, plan: dict, root: Path, timeout_s: float) -> None:
-    _, model_dir, save_steps, input_kind = ROWS[row]
+    _, model_dir, save_steps, input_kind, *positions = ALL_ROWS[row]
     workdir = root / f"{row}-r{rnd}"
     plan_path = jobs.write_plan(workdir / "plan.json", {**plan, "row": row, "tree": str(tree), "model_dir": model_dir,
-                                                        "save_steps": save_steps, "input": input_kind, "worker_timeout_s": timeout_s - 10})
+                                                        "save_steps": save_steps, "input": input_kind,
+                                                        "positions": positions[0] if positions else "all", "worker_timeout_s": timeout_s - 10})
     argv = lambda rank: jobs.worker_argv(__file__, plan=plan_path, workdir=workdir, rank=rank)  # noqa: E731
     # The tree under test alone on the workers' path (the old release for its rows).
     run = peers.run(peers.HOSTREDUCE_RING, P.Loopback(), 2, argv, workdir, timeout_s, env={"PYTHONPATH": str(tree)},
@@ -285,7 +317,7 @@ def _summarize(rep: report.Report) -> None:
         if all(r.get("cpu_ms_per_step") is not None for r in chiefs + others):
             out["cpu_ms_per_step"] = round(statistics.median(c["cpu_ms_per_step"] + o["cpu_ms_per_step"]
                                                              for c, o in zip(chiefs, others)), 3)
-        if ROWS[row][1]:
+        if ALL_ROWS[row][1]:
             med = lambda rs, k: round(statistics.median(r[k] for r in rs if r.get(k) is not None), 3)  # noqa: E731
             out.update(saves=chiefs[0]["saves"], blocking_ms_chief=med(chiefs, "blocking_ms_median"),
                        blocking_ms_other=med(others, "blocking_ms_median"))
@@ -311,10 +343,17 @@ def _summarize(rep: report.Report) -> None:
         if each:
             paired[what] = {"median": round(statistics.median(each), 3), "rounds": [round(x, 3) for x in each]}
     rep["ratios_by_round"] = paired
+    # What the input positions cost (the diagnostic rows), against the same baseline.
+    rep["diagnostic_ratios"] = {f"{a} / old-every2": {
+        "value": round(rows[a]["steps_per_s"] / rows["old-every2"]["steps_per_s"], 3),
+        "rounds": [round(by_round[(a, r)] / by_round[("old-every2", r)], 3)
+                   for (row, r) in by_round if row == a and ("old-every2", r) in by_round]}
+        for a in DIAGNOSTIC_ROWS if a in rows and "old-every2" in rows}
     # CPU one save costs: the CPU per step of both workers above the row without
     # checkpoints, times the steps per save.
     cpu = {}
-    for saving, plain in (("every2", "none"), ("old-every2", "old-none")):
+    for saving, plain in (("every2", "none"), ("every2-no-state", "none"), ("every2-no-positions", "none"),
+                          ("old-every2", "old-none")):
         if rows.get(saving, {}).get("cpu_ms_per_step") is not None and \
                 rows.get(plain, {}).get("cpu_ms_per_step") is not None:
             cpu[saving] = round(2 * (rows[saving]["cpu_ms_per_step"] - rows[plain]["cpu_ms_per_step"]), 3)
@@ -338,6 +377,8 @@ def _show(result: dict[str, Any]) -> None:
         paired = result.get("ratios_by_round", {}).get(t["what"])
         each = f"; round by round: median {paired['median']} of {paired['rounds']}" if paired else ""
         print(f"{t['what']}: {t['value']} (target {t['target']}: {'met' if t['met'] else 'MISSED'}){each}")
+    for what, r in result.get("diagnostic_ratios", {}).items():
+        print(f"{what}: {r['value']} (diagnostic; round by round {r['rounds']})")
     for row, ms in result.get("cpu_ms_per_save", {}).items():
         print(f"CPU per save, both workers ({row} over its row without checkpoints): {ms:.2f} ms")
 
@@ -370,7 +411,8 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", help=f"comma-separated, of {','.join(ROWS)} (default: all; --quick: none,every2)")
+    p.add_argument("--rows", help=f"comma-separated, of {','.join(ALL_ROWS)} (default: {','.join(ROWS)}; "
+                                  "--quick: none,every2)")
     p.add_argument("--steps", type=int, help="timed steps per row (default 600; --quick: 40)")
     p.add_argument("--warmup", type=int, default=20, help="steps before the timed ones (default 20)")
     p.add_argument("--rounds", type=int, help="runs of every row, in rotating order (default 3; --quick: 1)")
@@ -380,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=300.0, help="wall-clock limit of one run (s)")
     cli.add_run_options(p)
     args = p.parse_args(argv)
-    rows = cli.parse_choices(p, "--rows", args.rows, list(ROWS)) if args.rows else \
+    rows = cli.parse_choices(p, "--rows", args.rows, list(ALL_ROWS)) if args.rows else \
         (["none", "every2"] if args.quick else list(ROWS))
     steps = args.steps or (40 if args.quick else 600)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -406,12 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     rep.announce(f"checkpoints: {', '.join(rows)} x {rounds} round(s), {steps} steps")
     with workroot("checkpoints", args.keep_workdir) as root:
         trees = {"new": REPO_ROOT}
-        if any(ROWS[r][0] == "old" for r in rows):
+        if any(ALL_ROWS[r][0] == "old" for r in rows):
             trees["old"] = _old_tree(root, args.old_commit)
         for rnd in range(rounds):
             order = rows[rnd % len(rows):] + rows[:rnd % len(rows)]
             for row in order:
-                _run_row(rep, row, rnd, trees[ROWS[row][0]], plan, root, args.job_timeout)
+                _run_row(rep, row, rnd, trees[ALL_ROWS[row][0]], plan, root, args.job_timeout)
     _summarize(rep)
     rep.close(plot=lambda path: _plot(rep.result, path), no_plot=args.no_plot, show=lambda: _show(rep.result))
     return report.exit_status(rep["runs"])

@@ -78,9 +78,11 @@ def make_input_fn(x: np.ndarray, y: np.ndarray, global_batch: int, training: boo
             return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(batch)
         # Every epoch is a fresh permutation of this worker's examples, drawn from the
         # examples' positions alone (a stateless index shuffle seeded by seed and epoch), so
-        # the pipeline's state is a counter: the input position every checkpoint saves is
-        # about 12 KB and under a millisecond. A shuffle buffer (ds.shuffle(n)) would be
-        # saved whole at every checkpoint, on every worker (0.5 MB and about 20 ms per save here).
+        # the pipeline's state is a counter. Symbolic checkpointing saves that counter and
+        # not the batches prefetched (they are made again on a restore, the same since
+        # every step of the pipeline is deterministic): the input position every checkpoint
+        # saves is a few hundred bytes. A shuffle buffer (ds.shuffle(n)) would be saved whole
+        # at every checkpoint, on every worker (0.5 MB and about 20 ms per save here).
         n = len(xs)
         features, labels = tf.constant(xs), tf.constant(ys)
 
@@ -91,7 +93,10 @@ def make_input_fn(x: np.ndarray, y: np.ndarray, global_batch: int, training: boo
                                                   max_index=tf.constant(n - 1, tf.int64))
             return tf.gather(features, order), tf.gather(labels, order)
 
-        return tf.data.Dataset.range(2 ** 62).batch(batch, drop_remainder=True).map(pick).prefetch(2)
+        options = tf.data.Options()
+        options.experimental_symbolic_checkpoint = True
+        ds = tf.data.Dataset.range(2 ** 62).batch(batch, drop_remainder=True).map(pick).prefetch(2)
+        return ds.with_options(options)
 
     return input_fn
 
