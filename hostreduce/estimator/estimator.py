@@ -107,13 +107,16 @@ class Estimator:
         while the job runs)."""
         return {**self._own_variables(), **(self._ckpt.ps.pull_tables() if self._ckpt.ps else {})}
 
+    def _own_keys(self) -> list[str]:
+        return [k for k, _ in self._store.items() if k not in self._excluded_keys]
+
     def _own_variables(self) -> dict[str, np.ndarray]:
-        keys = [k for k, _ in self._store.items() if k not in self._excluded_keys]
+        keys = self._own_keys()
         return dict(zip(keys, self._store.values(keys)))
 
     def _own_tensors(self) -> dict[str, Any]:
         """:meth:`_own_variables` as tensors (what a checkpoint writes: no copy)."""
-        keys = [k for k, _ in self._store.items() if k not in self._excluded_keys]
+        keys = self._own_keys()
         return dict(zip(keys, self._store.tensors(keys)))
 
     @property
