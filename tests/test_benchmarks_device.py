@@ -34,6 +34,14 @@ def _tiny_profile(path: Path, backward_ms: float = 40.0) -> Path:
     return path
 
 
+def _rounding(row: dict) -> float:
+    """How far a row's hidden fraction (from its unrounded times, rounded to 4 decimals)
+    can be from the one its times give, each rounded to the microsecond: the numerator's
+    three roundings (1.5 us), and the denominator's (0.5 us), which moves the fraction
+    in proportion to its size."""
+    return (1.5e-3 + 5e-4 * abs(row["hidden_fraction"])) / row["reduction_ms"] + 1e-4
+
+
 def test_shipped_profiles_add_up() -> None:
     from benchmarks.impls import device as D
 
@@ -140,9 +148,8 @@ def test_overlap_device_run_writes_every_system(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["network"] == network and row["np"] == 2
         assert row["step_ms"] > 0 and row["compute_ms"] > 0 and row["reduction_ms"] > 0
-        assert row["hidden_fraction"] == pytest.approx(   # (times rounded to the microsecond)
-            (row["compute_ms"] + row["reduction_ms"] - row["step_ms"]) / row["reduction_ms"],
-            abs=1.5e-3 / row["reduction_ms"] + 1e-4)
+        assert row["hidden_fraction"] == pytest.approx(
+            (row["compute_ms"] + row["reduction_ms"] - row["step_ms"]) / row["reduction_ms"], abs=_rounding(row))
         assert row["cpu_ms_per_step"] > 0 and row["bound"]
         # The compute is the profile's: 3 x (10 + 20) ms at least, whatever the machine.
         assert row["compute_ms"] >= 90 * 0.99
@@ -175,10 +182,8 @@ def test_overlap_engine_run_and_merge(tmp_path: Path) -> None:
         assert rows[("ring-grpc", "streamed")]["transport"] == "grpc"
     for row in rows.values():
         assert row["case"] == "tiny" and row["network"] == network and row["np"] == 2
-        # (from the rows' times, each rounded to the microsecond: 1.5 us over the reduction's time)
         assert row["hidden_fraction"] == pytest.approx(
-            (row["compute_ms"] + row["reduction_ms"] - row["step_ms"]) / row["reduction_ms"],
-            abs=1.5e-3 / row["reduction_ms"] + 1e-4)
+            (row["compute_ms"] + row["reduction_ms"] - row["step_ms"]) / row["reduction_ms"], abs=_rounding(row))
         # 3 x (10 + 20) ms of device time; only the 60 ms of backward pass can hide a reduction.
         assert row["compute_ms"] >= 90 * 0.99 and row["backward_nominal_ms"] == pytest.approx(60.0)
         assert row["hideable"] == pytest.approx(min(1.0, 60.0 / row["reduction_ms"]), rel=1e-3, abs=1e-3)
